@@ -1,0 +1,83 @@
+"""Builds (on first use) and loads the C++ CPU kernel; reports why when it cannot.
+
+The build is cached by ``torch.utils.cpp_extension`` under ``TORCH_EXTENSIONS_DIR``. The
+extension is compiled with ``-march=native``, so its name carries a fingerprint of this CPU's
+model and feature flags: a cache directory shared between different machines never hands one
+of them code for another's instruction set.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+_SOURCE = Path(__file__).parent / "csrc" / "sr_cpu.cpp"
+DISABLE_ENV = "DIST_SR_DISABLE_CPU_KERNEL"
+
+
+def _cpu_fingerprint() -> str:
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    text += line
+                if line.strip() == "":
+                    break  # the first processor block describes them all
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ModuleType:
+    """The compiled module, or ``KernelUnavailable`` saying why it is not there."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        raise KernelUnavailable(f"untested CPU architecture {platform.machine()}")
+    try:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-fopenmp", "-march=native"]
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags.append("-mprefer-vector-width=512")
+        return cpp_extension.load(
+            name=f"dist_sr_cpu_{_cpu_fingerprint()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # compiler missing, headers missing, build error
+        raise KernelUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}") from exc
+
+
+_warned = False
+
+
+def get() -> ModuleType | None:
+    """The kernel, or None after a one-time warning that names what is missing."""
+    global _warned
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                f"dist_sr: fast CPU rounding kernel unavailable ({exc}); using the pure-torch "
+                "reference, which gives the same bits but is ~100x slower. Install a C++ compiler "
+                "(g++) and ninja to enable it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None

@@ -1,0 +1,107 @@
+// Keyed FP32 -> BF16 rounding on the CPU, one pass, bitwise equal to dist_sr.numerics.reference.
+//
+// The contract (dist_sr/numerics/key.py): element with global index i takes the 16 bits
+// (h_q >> 16*(i&3)) & 0xFFFF of h_q = mix(key + (q+1)*GAMMA), q = i >> 2. On a little-endian
+// machine eight consecutive hashes, stored as 64 bytes, *are* the 32 random uint16 of 32
+// consecutive elements, so the main loop hashes 8 blocks and then runs a plain 32-lane
+// add/shift/narrow that the compiler vectorises. Partial blocks at either end go scalar.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ULL;
+constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ULL;
+constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
+constexpr int64_t kChunk = 32;          // elements per vector body (8 hashes)
+constexpr int64_t kGrain = 1 << 14;     // chunks per task: ~2 MiB of input
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the 8-hash trick needs little-endian");
+
+inline uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * kMix1;
+  z = (z ^ (z >> 27)) * kMix2;
+  return z ^ (z >> 31);
+}
+
+inline uint32_t bits_for(uint64_t key, uint64_t i) {
+  return static_cast<uint32_t>(mix(key + ((i >> 2) + 1) * kGamma) >> (16 * (i & 3))) & 0xFFFFu;
+}
+
+inline uint16_t round_one(uint32_t b, uint32_t r) {
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  return nan ? uint16_t(0x7FC0) : static_cast<uint16_t>((b + r) >> 16);
+}
+
+inline uint32_t nearest_bits(uint32_t b) { return 0x7FFFu + ((b >> 16) & 1u); }
+
+// Rounds n elements; x[j] has global index offset + j.
+void sr_span(const uint32_t* x, uint16_t* out, int64_t n, uint64_t key, int64_t offset) {
+  const int64_t head = std::min<int64_t>(n, (kChunk - offset % kChunk) % kChunk);
+  for (int64_t j = 0; j < head; ++j) out[j] = round_one(x[j], bits_for(key, offset + j));
+  const int64_t chunks = (n - head) / kChunk;
+  const int64_t first_block = (offset + head) / 4;  // global block index of the first full chunk
+  at::parallel_for(0, chunks, kGrain, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      uint64_t h[8];
+      const uint64_t q = static_cast<uint64_t>(first_block + c * 8);
+      for (int t = 0; t < 8; ++t) h[t] = mix(key + (q + t + 1) * kGamma);
+      uint16_t r[kChunk];
+      std::memcpy(r, h, sizeof(r));
+      const uint32_t* xs = x + head + c * kChunk;
+      uint16_t* os = out + head + c * kChunk;
+      for (int k = 0; k < kChunk; ++k) os[k] = round_one(xs[k], r[k]);
+    }
+  });
+  for (int64_t j = head + chunks * kChunk; j < n; ++j) out[j] = round_one(x[j], bits_for(key, offset + j));
+}
+
+void rne_span(const uint32_t* x, uint16_t* out, int64_t n) {
+  at::parallel_for(0, n, kGrain * kChunk, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) out[j] = round_one(x[j], nearest_bits(x[j]));
+  });
+}
+
+void check_pair(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "dist_sr CPU kernel: tensors must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "dist_sr CPU kernel: x must be float32");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "dist_sr CPU kernel: out must be bfloat16");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "dist_sr CPU kernel: tensors must be contiguous");
+  TORCH_CHECK(x.numel() == out.numel(), "dist_sr CPU kernel: x and out differ in numel");
+}
+
+void round_one_tensor(const at::Tensor& x, at::Tensor& out, bool keyed, uint64_t key, int64_t offset) {
+  check_pair(x, out);
+  const auto* xb = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (keyed) {
+    sr_span(xb, ob, x.numel(), key, offset);
+  } else {
+    rne_span(xb, ob, x.numel());
+  }
+}
+
+// key arrives as int64 (pybind has no uint64 on every platform); the bits are the same.
+void round_tensor(const at::Tensor& x, at::Tensor out, bool keyed, int64_t key, int64_t offset) {
+  round_one_tensor(x, out, keyed, static_cast<uint64_t>(key), offset);
+}
+
+void round_tensors(const std::vector<at::Tensor>& xs, std::vector<at::Tensor> outs, bool keyed,
+                   const std::vector<int64_t>& keys, const std::vector<int64_t>& offsets) {
+  TORCH_CHECK(xs.size() == outs.size() && (!keyed || (xs.size() == keys.size() && xs.size() == offsets.size())),
+              "dist_sr CPU kernel: list lengths differ");
+  for (size_t t = 0; t < xs.size(); ++t) {
+    round_one_tensor(xs[t], outs[t], keyed, keyed ? static_cast<uint64_t>(keys[t]) : 0,
+                     keyed ? offsets[t] : 0);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("round_tensor", &round_tensor, "keyed or nearest FP32->BF16 rounding into out");
+  m.def("round_tensors", &round_tensors, "round_tensor over lists, one call");
+}

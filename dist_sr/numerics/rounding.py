@@ -1,0 +1,137 @@
+"""``stochastic_round``: the public FP32 -> BF16 keyed rounding, dispatched to a backend.
+
+Backends give bitwise identical results: ``"reference"`` (pure torch, any device) and ``"cpu"``
+(the compiled C++ kernel). ``"auto"`` picks the fastest one available for the tensor's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from . import cpu_kernel, reference
+from .key import check_mode, stream_key
+
+BACKENDS = ("auto", "reference", "cpu")
+
+
+@dataclass(frozen=True)
+class RoundingJob:
+    """One FP32 piece of parameter ``param`` (elements ``[offset, offset + x.numel())``) to be
+    rounded into the BF16 tensor ``out`` (same shape)."""
+
+    param: str
+    x: torch.Tensor
+    out: torch.Tensor
+    offset: int = 0
+
+
+def stochastic_round(
+    x: torch.Tensor,
+    *,
+    seed: int,
+    step: int,
+    param: str,
+    offset: int = 0,
+    mode: str = "stochastic",
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Round FP32 ``x`` to BF16 with random bits keyed by (seed, step, param, element index).
+
+    ``x`` holds elements ``[offset, offset + x.numel())`` of the flattened (row-major) full
+    parameter named ``param`` (its state-dict name; wrapper prefixes are ignored). The result
+    depends only on those and on ``x``: rounding any split of a parameter piece by piece with
+    the right offsets gives the bits of rounding it whole.
+
+    Modes: ``"nearest"`` (round to nearest even, as ``x.to(torch.bfloat16)``), ``"stochastic"``
+    (fresh bits every step), ``"dither"`` (bits ignore ``step``). Every NaN becomes the BF16 NaN
+    ``0x7FC0``; +-Inf, -0 and subnormals are exact; values beyond the largest finite BF16 round
+    to it or to Inf as if Inf were the next BF16 value (``2^128``).
+
+    Returns ``out`` (BF16, same shape as ``x``), allocated if not given.
+    """
+    job = RoundingJob(param, x, _out_for(x, out), offset)
+    round_jobs([job], seed=seed, step=step, mode=mode, backend=backend)
+    return job.out
+
+
+def round_jobs(
+    jobs: Sequence[RoundingJob] | Iterable[RoundingJob],
+    *,
+    seed: int,
+    step: int,
+    mode: str = "stochastic",
+    backend: str = "auto",
+) -> None:
+    """Round many pieces at one (seed, step, mode) with as few kernel calls as possible."""
+    check_mode(mode)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    keyed = mode != "nearest"
+    batch: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # CPU-kernel work: x, flat out, key
+    offsets: list[int] = []
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for job in jobs:
+        _validate(job)
+        key = stream_key(seed=seed, step=step, param=job.param, mode=mode) if keyed else None
+        x = job.x.detach().contiguous().view(-1)
+        dst = job.out
+        if not dst.is_contiguous():
+            dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
+            copy_back.append((job.out, dst))
+        if _use_kernel(backend, job.param, x.device):
+            batch.append((x, dst.view(-1), _as_int64(key) if keyed else 0))
+            offsets.append(job.offset)
+        else:
+            reference.round_into(x, dst.view(-1), key, job.offset)
+    if batch:
+        cpu_kernel.load().round_tensors(
+            [b[0] for b in batch], [b[1] for b in batch], keyed, [b[2] for b in batch], offsets
+        )
+    for out, dst in copy_back:
+        out.copy_(dst)
+
+
+def _use_kernel(backend: str, param: str, device: torch.device) -> bool:
+    if backend == "reference" or device.type != "cpu":
+        if backend == "cpu":
+            raise ValueError(f"backend 'cpu' needs CPU tensors; {param!r} is on {device}")
+        return False
+    if backend == "cpu":
+        cpu_kernel.load()  # raises KernelUnavailable with the reason
+        return True
+    return cpu_kernel.get() is not None
+
+
+def _as_int64(key: int) -> int:
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def _out_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if out is None:
+        return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    return out
+
+
+def _validate(job: RoundingJob) -> None:
+    x, out = job.x, job.out
+    if x.dtype != torch.float32:
+        raise TypeError(
+            f"stochastic_round needs a float32 input for {job.param!r}, got {x.dtype}; keep FP32 "
+            "shadow weights and round those (a BF16/FP16 tensor has no bits left to round)"
+        )
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"out for {job.param!r} must be bfloat16, got {out.dtype}")
+    if out.shape != x.shape:
+        raise ValueError(f"out for {job.param!r} has shape {tuple(out.shape)}, x has {tuple(x.shape)}")
+    if out.device != x.device:
+        raise ValueError(f"out for {job.param!r} is on {out.device}, x is on {x.device}")
+    if not isinstance(job.offset, int) or isinstance(job.offset, bool) or job.offset < 0:
+        raise ValueError(f"offset for {job.param!r} must be a non-negative int, got {job.offset!r}")
+    if job.offset + x.numel() > 1 << 62:
+        raise ValueError(f"offset {job.offset} + numel {x.numel()} for {job.param!r} exceeds 2^62 elements")
