@@ -1,0 +1,32 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every backend that must give the contract's bits on this machine.
+CPU_BACKENDS = ["reference", "cpu"]
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def vectors():
+    return json.loads((ROOT / "docs" / "rounding-key-vectors.json").read_text())
+
+
+def bits16(t: torch.Tensor) -> torch.Tensor:
+    """BF16 tensor -> its raw bits as int32 in [0, 65536)."""
+    return t.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def f32_from_bits(bits) -> torch.Tensor:
+    """uint32 bit patterns (ints or int64 tensor) -> float32 tensor."""
+    b = torch.as_tensor(bits, dtype=torch.int64)
+    b = b - ((b >> 31) & 1) * (1 << 32)
+    return b.to(torch.int32).view(torch.float32)
