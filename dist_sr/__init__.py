@@ -1,7 +1,15 @@
 """dist-sr: keyed stochastic rounding of FP32 shadow weights to BF16 for distributed training."""
 
-from .numerics import MODES, normalize_param_name, round_jobs, stochastic_round, stream_key
+from .numerics import MODES, RoundingJob, normalize_param_name, round_jobs, stochastic_round, stream_key
+from .optim import AdamWSR, DynamicLossScaler, ShadowOptimizer, StickingMeter
+from .precision import PRECISIONS, PrecisionConfig, PrecisionConfigError, TrainingPrecision, apply_precision
+from .replica import ReplicaChecker, ReplicaDivergenceError, check_replicas, weight_digests
 
 __version__ = "0.1.0"
 
-__all__ = ["MODES", "normalize_param_name", "round_jobs", "stochastic_round", "stream_key", "__version__"]
+__all__ = [
+    "MODES", "PRECISIONS", "AdamWSR", "DynamicLossScaler", "PrecisionConfig", "PrecisionConfigError",
+    "ReplicaChecker", "ReplicaDivergenceError", "RoundingJob", "ShadowOptimizer", "StickingMeter",
+    "TrainingPrecision", "apply_precision", "check_replicas", "normalize_param_name", "round_jobs",
+    "stochastic_round", "stream_key", "weight_digests", "__version__",
+]

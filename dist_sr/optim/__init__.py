@@ -1,0 +1,9 @@
+"""Optimizers that keep low-precision working weights: FP32 shadows, or pure BF16 with SR."""
+
+from .adamw_sr import AdamWSR
+from .loss_scale import DynamicLossScaler
+from .metrics import StickingMeter
+from .params import named_param_groups
+from .shadow import ShadowOptimizer
+
+__all__ = ["AdamWSR", "DynamicLossScaler", "ShadowOptimizer", "StickingMeter", "named_param_groups"]

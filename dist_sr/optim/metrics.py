@@ -1,0 +1,57 @@
+"""Weight-sticking metrics: does the working (BF16) copy follow the optimizer's updates?"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StickingMeter:
+    """Per-step sticking metrics for a set of working weights and (optionally) their shadows.
+
+    - ``changed_frac``: fraction of working-weight elements whose bits changed in the last step.
+    - ``unfollowed_frac``: share of the shadows' net movement since the meter started that the
+      working weights did not follow, ``1 - <dW, dS> / <dS, dS>`` with ``dS = S_t - S_0`` and
+      ``dW = W_t - W_0``. Round-to-nearest that sticks gives ~1; unbiased rounding gives ~0,
+      since ``E[dW] = dS``. ``None`` without shadows or before the shadows move.
+
+    Memory: a copy of the working weights (their dtype) and, with shadows, of the shadows (FP32).
+    """
+
+    def __init__(self, named_working: list[tuple[str, torch.Tensor]],
+                 shadows: list[torch.Tensor] | None = None):
+        self.names = [n for n, _ in named_working]
+        self.working = [w for _, w in named_working]
+        self.shadows = shadows
+        if shadows is not None and len(shadows) != len(self.working):
+            raise ValueError("one shadow per working tensor is required")
+        self._prev = [w.detach().clone() for w in self.working]
+        self._w0 = [w.detach().float() for w in self.working] if shadows is not None else None
+        self._s0 = [s.detach().clone() for s in shadows] if shadows is not None else None
+
+    @classmethod
+    def for_optimizer(cls, optimizer) -> "StickingMeter":
+        """A meter over a ShadowOptimizer (with shadows) or any optimizer with named groups."""
+        if hasattr(optimizer, "named_shadows"):
+            triples = optimizer.named_shadows()
+            return cls([(n, p) for n, p, _ in triples], [s for _, _, s in triples])
+        named = [(n, p) for g in optimizer.param_groups for n, p in zip(g["param_names"], g["params"])]
+        return cls(named)
+
+    @torch.no_grad()
+    def update(self) -> dict[str, float | None]:
+        """Metrics for the step since the last call (call once after each optimizer step)."""
+        changed = total = 0
+        for prev, w in zip(self._prev, self.working):
+            changed += int((prev.view(-1) != w.detach().view(-1)).sum())  # NaN != NaN counts as changed
+            total += w.numel()
+            prev.copy_(w)
+        metrics: dict[str, float | None] = {"changed_frac": changed / max(total, 1), "unfollowed_frac": None}
+        if self.shadows is not None:
+            dot = norm2 = 0.0
+            for w0, s0, w, s in zip(self._w0, self._s0, self.working, self.shadows):
+                ds = (s - s0).double()
+                dot += float((ds * (w.double() - w0.double())).sum())
+                norm2 += float((ds * ds).sum())
+            if norm2 > 0:
+                metrics["unfollowed_frac"] = 1.0 - dot / norm2
+        return metrics

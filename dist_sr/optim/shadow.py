@@ -1,0 +1,231 @@
+"""FP32 shadow weights behind low-precision working weights (the arXiv 2611.13545 recipe).
+
+The model holds BF16 (or FP16) parameters: the forward pass, the backward pass and the rollout
+engines use them. Any torch optimizer runs on FP32 shadow copies; after each step the working
+weights become ``round(shadow)`` under the rounding key (seed, step, parameter name, element).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..numerics import RoundingJob, round_jobs
+from ..numerics.key import check_mode, normalize_param_name
+from .loss_scale import DynamicLossScaler
+from .params import ParamsLike, named_param_groups
+
+STATE_FORMAT = "dist-sr/shadow-optimizer/v1"
+WORKING_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class ShadowOptimizer(torch.optim.Optimizer):
+    """Runs ``optimizer_cls`` on FP32 shadows and writes ``round(shadow)`` into the working params.
+
+    Args:
+        params: a module, ``module.named_parameters()`` or groups of ``(name, param)`` pairs.
+            Working params must be BF16 or FP16, unless ``working_dtype`` is given: then FP32
+            params are converted to it here and their FP32 values become the shadows.
+        optimizer_cls: any ``torch.optim.Optimizer`` class; ``optimizer_kwargs`` go to it.
+        seed, mode: the rounding key's seed and mode (``nearest``, ``stochastic``, ``dither``).
+            FP16 working weights support ``nearest`` only.
+        loss_scaler: a ``DynamicLossScaler`` for FP16 working weights (skips inf/NaN steps).
+
+    The key's step is ``self.step_count``: 0 for the initial rounding, ``k`` for the result of
+    the k-th optimizer step. At all times ``working == round(shadow, step=self.step_count)``.
+    """
+
+    def __init__(
+        self,
+        params: ParamsLike,
+        optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        seed: int = 0,
+        mode: str = "stochastic",
+        working_dtype: torch.dtype | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        backend: str = "auto",
+        **optimizer_kwargs: Any,
+    ):
+        self.seed, self.mode, self.backend = seed, check_mode(mode), backend
+        self.step_count = 0
+        self.loss_scaler = loss_scaler
+        groups = named_param_groups(params)
+        self._pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, working, shadow)
+        inner_groups = []
+        for group in groups:
+            named_shadows = []
+            for name, p in zip(group["param_names"], group["params"]):
+                shadow = self._make_shadow(name, p, working_dtype)
+                self._pairs.append((name, p, shadow))
+                named_shadows.append((name, shadow))
+            inner_groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                                 "params": named_shadows})
+        self._check_names_unique()
+        self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
+        self._constructed = False
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self._constructed = True
+        self.param_groups = self.inner.param_groups  # one set of groups: LR schedulers reach inner
+        self.state = self.inner.state
+        self._grads_in_shadows = False
+        self._write_working()
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _make_shadow(self, name: str, p: torch.Tensor, working_dtype: torch.dtype | None) -> torch.Tensor:
+        if working_dtype is not None and p.dtype == torch.float32:
+            if working_dtype not in WORKING_DTYPES:
+                raise ValueError(f"working_dtype must be bfloat16 or float16, got {working_dtype}")
+            shadow = p.detach().clone()
+            p.data = torch.empty_like(p, dtype=working_dtype)
+        elif p.dtype in WORKING_DTYPES:
+            shadow = p.detach().to(torch.float32)
+        else:
+            raise TypeError(
+                f"parameter {name!r} is {p.dtype}: ShadowOptimizer keeps FP32 shadows of BF16/FP16 "
+                "working weights; pass working_dtype=torch.bfloat16 to convert an FP32 model, or use "
+                "a plain torch optimizer for FP32 training"
+            )
+        if p.dtype == torch.float16 and self.mode != "nearest":
+            raise ValueError(
+                f"parameter {name!r} is float16: stochastic rounding is defined for BF16 working "
+                "weights only; use BF16 weights (precision bf16-sr) or mode='nearest' for FP16"
+            )
+        return shadow
+
+    def _check_names_unique(self) -> None:
+        seen: dict[str, str] = {}
+        for name, _, _ in self._pairs:
+            key = normalize_param_name(name)
+            if key in seen:
+                raise ValueError(f"parameters {seen[key]!r} and {name!r} normalise to the same key {key!r}")
+            seen[key] = name
+
+    # -- the training step -------------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on (scaled when a loss scaler is set)."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler else loss
+
+    def _move_grads(self) -> bool:
+        """Copy working grads into FP32 shadow grads (unscaled). True if the step must be skipped."""
+        if self._grads_in_shadows:
+            return self._found_inf
+        for _, p, s in self._pairs:
+            if p.grad is None:
+                s.grad = None
+            elif s.grad is None:
+                s.grad = p.grad.detach().to(torch.float32)
+            else:
+                s.grad.copy_(p.grad)
+        found_inf = False
+        if self.loss_scaler is not None:
+            found_inf = self.loss_scaler.unscale_(s.grad for _, _, s in self._pairs if s.grad is not None)
+        self._grads_in_shadows, self._found_inf = True, found_inf
+        return found_inf
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the FP32 (unscaled) gradients; returns their total norm before clipping."""
+        found_inf = self._move_grads()
+        shadows = [s for _, _, s in self._pairs if s.grad is not None]
+        if found_inf or not shadows:
+            return torch.tensor(float("inf") if found_inf else 0.0)
+        return torch.nn.utils.clip_grad_norm_(shadows, max_norm, norm_type=norm_type, foreach=True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step on the shadows, then round them into the working weights.
+
+        A closure is evaluated with grad enabled before the step, as torch optimizers do.
+        With a loss scaler, a step whose gradients hold inf/NaN is skipped (no update, no new key
+        step) and the scale shrinks.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = self._move_grads()
+        self._grads_in_shadows = False
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        if found_inf:
+            return loss
+        self.inner.step()
+        self.step_count += 1
+        self._write_working()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p, s in self._pairs:
+            for t in (p, s):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.zero_()
+        self._grads_in_shadows = False
+
+    def _write_working(self) -> None:
+        bf16 = [RoundingJob(n, s, p.data) for n, p, s in self._pairs if p.dtype == torch.bfloat16]
+        if bf16:
+            round_jobs(bf16, seed=self.seed, step=self.step_count, mode=self.mode, backend=self.backend)
+        for _, p, s in self._pairs:
+            if p.dtype == torch.float16:
+                p.data.copy_(s)
+
+    # -- access ------------------------------------------------------------------------------
+
+    def named_shadows(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, working_param, fp32_shadow)`` for every parameter, in construction order."""
+        return list(self._pairs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._constructed:  # Optimizer.__init__ registering the inner optimizer's groups
+            return super().add_param_group(param_group)
+        raise NotImplementedError("ShadowOptimizer cannot add parameter groups after construction")
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Shadows (by normalised name), the inner optimizer's state, seed, mode and step."""
+        return {
+            "format": STATE_FORMAT,
+            "seed": self.seed,
+            "mode": self.mode,
+            "step": self.step_count,
+            "shadows": {normalize_param_name(n): s for n, _, s in self._pairs},
+            "inner": self.inner.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore shadows and optimizer state, then re-derive the working weights bit-identically."""
+        if state_dict.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a ShadowOptimizer state (format {state_dict.get('format')!r}, expected {STATE_FORMAT!r})")
+        for field in ("seed", "mode"):
+            if state_dict[field] != getattr(self, field):
+                raise ValueError(
+                    f"checkpoint was written with {field}={state_dict[field]!r} but this optimizer has "
+                    f"{field}={getattr(self, field)!r}; construct it with {field}={state_dict[field]!r} to resume"
+                )
+        shadows = state_dict["shadows"]
+        ours = {normalize_param_name(n): s for n, _, s in self._pairs}
+        if set(shadows) != set(ours):
+            missing, extra = sorted(set(ours) - set(shadows)), sorted(set(shadows) - set(ours))
+            raise ValueError(f"checkpoint shadows do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, s in ours.items():
+            src = shadows[name]
+            if src.shape != s.shape or src.dtype != torch.float32:
+                raise ValueError(f"checkpoint shadow {name!r} is {src.dtype}{tuple(src.shape)}, expected float32{tuple(s.shape)}")
+            s.copy_(src)
+        self.inner.load_state_dict(state_dict["inner"])
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.step_count = int(state_dict["step"])
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        with torch.no_grad():
+            self._write_working()

@@ -1,0 +1,44 @@
+"""Run a function on N real processes joined by a gloo process group."""
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; re-raise failures."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,
+                           start_method="spawn", join=True)
+    except mp.ProcessRaisedException:
+        pass
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))
