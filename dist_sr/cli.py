@@ -1,0 +1,80 @@
+"""``dist-sr``: train, compare, inspect rounding keys.
+
+    dist-sr compare [CONFIG]             precision comparison (embedded default without CONFIG)
+    dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG)
+    dist-sr key NAME --seed S --step T   print a parameter's stream key
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"--set expects key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dist-sr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p_train = sub.add_parser("train", help="one GRPO run")
+    p_train.add_argument("config", nargs="?", help="experiment YAML (default: the embedded quickstart)")
+    p_train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a field, e.g. --set grpo.lr=1e-5 --set precision=bf16")
+    p_train.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint.pt")
+    p_train.add_argument("--no-progress", action="store_true")
+
+    p_cmp = sub.add_parser("compare", help="every precision x seeds, then report.md + figure.png")
+    p_cmp.add_argument("config", nargs="?", help="comparison YAML (default: the embedded quickstart comparison)")
+    p_cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a top-level field, e.g. --set 'seeds=[0]' --set parallel=1")
+    p_cmp.add_argument("--report-only", action="store_true", help="rewrite the report from finished runs")
+    p_cmp.add_argument("--no-progress", action="store_true")
+
+    p_key = sub.add_parser("key", help="print the stream key of a parameter")
+    p_key.add_argument("name")
+    p_key.add_argument("--seed", type=int, required=True)
+    p_key.add_argument("--step", type=int, default=0)
+    p_key.add_argument("--mode", default="stochastic", choices=["stochastic", "dither"])
+
+    args = ap.parse_args(argv)
+    from .rl.config import ConfigError
+
+    try:
+        if args.command == "train":
+            from .rl.config import load_experiment
+            from .rl.trainer import train
+
+            cfg = load_experiment(args.config or {}, _overrides(args.set))
+            path = train(cfg, progress=not args.no_progress, resume=args.resume)
+            print(f"metrics: {path}")
+        elif args.command == "compare":
+            from .rl.compare import load_compare, run_comparison, write_report
+
+            cfg = load_compare(args.config, _overrides(args.set))
+            report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
+            print(report.read_text())
+            print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")
+        elif args.command == "key":
+            from .numerics.key import normalize_param_name, stream_key
+
+            key = stream_key(seed=args.seed, step=args.step, param=args.name, mode=args.mode)
+            print(f"{normalize_param_name(args.name)} {key:016x}")
+    except ConfigError as exc:
+        print(f"dist-sr: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

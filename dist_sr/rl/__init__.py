@@ -1,0 +1,1 @@
+"""GRPO with verifiable rewards on top of the precision switch."""

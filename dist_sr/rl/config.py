@@ -1,0 +1,216 @@
+"""Typed experiment configuration, loaded from YAML and validated at load time.
+
+Every section is a dataclass; an unknown key, a wrong type or a bad value raises ``ConfigError``
+naming the field (``grpo.lr``) and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..precision import PrecisionConfig, PrecisionConfigError
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None          # from_pretrained: local directory or hub id; None = tiny model
+    hidden_size: int = 64            # tiny Qwen2 built from a config when path is None
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    initializer_range: float = 0.25  # ~2/sqrt(d): LLM-like lr/|w| (DESIGN.md section 6)
+    init_seed: int = 0
+
+
+@dataclass
+class TaskConfig:
+    name: str = "reverse"            # reverse | add | dataset
+    num_digits: int = 5
+    source: str | None = None        # dataset: file path (.jsonl/.json/.parquet/.csv) or hub name
+    split: str = "train"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    answer_format: str = "gsm8k"
+
+    def __post_init__(self):
+        from .tasks import TASKS
+
+        if self.name not in TASKS:
+            raise ConfigError(f"task.name: unknown task {self.name!r}; choose one of {', '.join(TASKS)}")
+        if self.name == "dataset" and not self.source:
+            raise ConfigError("task.source: the dataset task needs a file path or dataset name")
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up of a from-config model to partial accuracy, cached on disk."""
+
+    enabled: bool = True
+    distractor_fraction: float = 0.7  # share of targets that are the wrong "distractor" answer
+    target_accuracy: float = 0.25     # stop when sampled accuracy reaches this
+    max_steps: int = 4000
+    batch_size: int = 256
+    lr: float = 3e-3
+    eval_every: int = 25
+    eval_prompts: int = 512
+    seed: int = 0
+    cache_dir: str = "runs/cache"
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 300
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8
+    lr: float = 5e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0              # KL penalty (k3) to the frozen reference; 0 = off
+    temperature: float = 1.0
+    max_new_tokens: int = 6
+
+    def __post_init__(self):
+        if self.samples_per_prompt < 2:
+            raise ConfigError("grpo.samples_per_prompt must be >= 2: advantages are normalised within a group")
+        if self.steps < 0 or self.prompts_per_step < 1 or self.max_new_tokens < 1:
+            raise ConfigError("grpo.steps must be >= 0, grpo.prompts_per_step and grpo.max_new_tokens >= 1")
+        if self.lr <= 0 or self.temperature <= 0:
+            raise ConfigError("grpo.lr and grpo.temperature must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10
+    num_prompts: int = 1024
+    seed: int = 1234                  # fixed prompts and fixed sampling noise at every evaluation
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"          # embedded: transformers in-process (the CPU default)
+    verify_every: int = 1             # compare rollout-weight digest with the trainer's every N steps
+
+    def __post_init__(self):
+        if self.engine not in ("embedded",):
+            raise ConfigError(
+                f"rollout.engine: unknown engine {self.engine!r}; available here: embedded"
+            )
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    seed: int = 0                     # RL sampling seed
+    shadow_jitter: bool = False       # control run: move FP32 shadows off the BF16 grid at start
+    output_dir: str = "runs/train"
+    checkpoint_every: int = 0         # 0 = only at the end
+    threads: int | None = None        # torch.set_num_threads
+
+    def __post_init__(self):
+        if self.shadow_jitter and self.precision.precision not in ("bf16", "bf16-sr", "bf16-dither", "fp16"):
+            raise ConfigError("shadow_jitter needs FP32 shadows: precision fp16, bf16, bf16-sr or bf16-dither")
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is PrecisionConfig:
+        return PrecisionConfig.from_dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        return _convert(next(a for a in args if a is not type(None)), value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_convert(a, v, where) for a, v in zip(typing.get_args(tp), value))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls, data: Any, where: str = ""):
+    """Build dataclass ``cls`` from a mapping, recursively, with errors that name the field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown field(s) {[prefix + u for u in unknown]}; valid: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else name
+        try:
+            kwargs[name] = _convert(hints[name], value, path)
+        except PrecisionConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    try:
+        return cls(**kwargs)
+    except (PrecisionConfigError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def load_experiment(source: str | Path | dict, overrides: dict | None = None) -> ExperimentConfig:
+    """An ``ExperimentConfig`` from a YAML file path, YAML text or a dict, with dotted overrides
+    (``{"grpo.lr": 1e-5}``) applied before validation."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if path.suffix in (".yaml", ".yml"):
+            if not path.exists():
+                raise ConfigError(f"config file {path} does not exist")
+            data = yaml.safe_load(path.read_text()) or {}
+        else:
+            data = yaml.safe_load(str(source)) or {}
+    data = _deep_copy(data)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted}: {p} is not a section")
+        node[leaf] = value
+    return from_dict(ExperimentConfig, data)
+
+
+def to_dict(config: ExperimentConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def _deep_copy(d):
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d

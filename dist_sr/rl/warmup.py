@@ -1,0 +1,94 @@
+"""Supervised warm-up of a from-config model to partial accuracy, cached on disk.
+
+RL needs room to improve: the tiny model is trained on a mix of right answers and a wrong
+"distractor" (for digit reversal: the copy) until its sampled accuracy reaches the target. The
+checkpoint is saved in BF16, as released checkpoints are, so FP32 shadows start on the BF16 grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .config import ExperimentConfig
+from .evaluation import evaluate, fixed_examples
+from .grpo import sequence_logits, token_logprobs
+from .model import new_tiny
+from .rollout import encode_prompts
+from .tasks import TASKS
+
+CACHE_VERSION = "warmup-v1"
+
+
+def cache_key(cfg: ExperimentConfig) -> str:
+    w = dataclasses.asdict(cfg.warmup)
+    w.pop("cache_dir")
+    blob = json.dumps([CACHE_VERSION, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.task), w,
+                       cfg.grpo.max_new_tokens], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def make_task(cfg: ExperimentConfig):
+    t = cfg.task
+    if t.name == "dataset":
+        return TASKS["dataset"](t.source, t.split, t.prompt_field, t.answer_field, t.answer_format)
+    return TASKS[t.name](t.num_digits)
+
+
+def encode_targets(tokenizer, targets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in targets]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
+    """Path of the cached warm-up checkpoint for ``cfg``, training it first if needed."""
+    path = Path(cfg.warmup.cache_dir) / f"warmup-{cache_key(cfg)}"
+    if (path / "warmup.json").exists():
+        return path
+    w = cfg.warmup
+    task = make_task(cfg)
+    if not hasattr(task, "distractor"):
+        raise ValueError(f"task {task.name!r} has no distractor answers; warm up only generated tasks")
+    model, tokenizer = new_tiny(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
+    rng = random.Random(w.seed)
+    eval_set = fixed_examples(task, w.eval_prompts, w.seed + 1)
+    accuracy, step = 0.0, 0
+    bar = tqdm(range(1, w.max_steps + 1), desc="warm-up (SFT)", disable=not progress, leave=False)
+    for step in bar:
+        batch = [task.sample(rng) for _ in range(w.batch_size)]
+        targets = [task.distractor(e) if rng.random() < w.distractor_fraction else e.answer for e in batch]
+        ids, mask = encode_prompts(tokenizer, [e.prompt for e in batch])
+        tgt, tgt_mask = encode_targets(tokenizer, targets)
+        logp = token_logprobs(sequence_logits(model, ids, mask, tgt, tgt_mask), tgt)
+        loss = -(logp * tgt_mask).sum() / tgt_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % w.eval_every == 0:
+            accuracy = evaluate(model, tokenizer, task, eval_set, seed=w.seed + 2,
+                                max_new_tokens=cfg.grpo.max_new_tokens)["accuracy"]
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.3f}")
+            if accuracy >= w.target_accuracy:
+                break
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)  # on the BF16 grid, as released checkpoints are
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warmup.json").write_text(json.dumps({"steps": step, "accuracy": accuracy, "key": cache_key(cfg)}))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
