@@ -38,6 +38,12 @@ class StickingMeter:
         return cls(named)
 
     @torch.no_grad()
+    def sync_previous(self) -> None:
+        """Take the current working weights as the last step's (after loading a checkpoint)."""
+        for prev, w in zip(self._prev, self.working):
+            prev.copy_(w)
+
+    @torch.no_grad()
     def update(self) -> dict[str, float | None]:
         """Metrics for the step since the last call (call once after each optimizer step)."""
         changed = total = 0

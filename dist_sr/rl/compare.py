@@ -107,7 +107,11 @@ def run_config(cfg: CompareConfig, spec: RunSpec, seed: int) -> ExperimentConfig
 
 
 def _train_one(cfg: ExperimentConfig) -> str:
+    from transformers.utils import logging as hf_logging
+
     from .trainer import train
+
+    hf_logging.disable_progress_bar()  # one line per finished run is enough in a worker
 
     return str(train(cfg, progress=False))
 

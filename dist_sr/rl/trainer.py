@@ -14,6 +14,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -25,7 +26,7 @@ from .config import ExperimentConfig, to_dict
 from .evaluation import evaluate, fixed_examples
 from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
 from .model import load_pretrained
-from .rollout import EmbeddedEngine
+from .rollout import EmbeddedEngine, RolloutEngine
 from .warmup import make_task, warmup_checkpoint
 
 CHECKPOINT = "checkpoint.pt"
@@ -95,8 +96,13 @@ def save_checkpoint(out_dir: Path, step: int, model, precision) -> None:
     os.replace(tmp, out_dir / CHECKPOINT)
 
 
-def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False, stop_at: int | None = None) -> Path:
-    """Run GRPO for ``cfg``; returns the metrics file. ``stop_at`` ends early (with a checkpoint)."""
+def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False, stop_at: int | None = None,
+          make_engine: Callable[[Any, Any], RolloutEngine] | None = None) -> Path:
+    """Run GRPO for ``cfg``; returns the metrics file.
+
+    ``resume`` continues from ``output_dir/checkpoint.pt``; ``stop_at`` ends early (with a
+    checkpoint); ``make_engine(model, tokenizer)`` replaces the configured rollout engine.
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out_dir = Path(cfg.output_dir)
@@ -112,6 +118,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
     if cfg.shadow_jitter:
         jitter_shadows_(precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
 
+    meter = precision.sticking_meter()  # measures from the run's start, also across a resume
     start = 0
     ckpt = out_dir / CHECKPOINT
     if resume and ckpt.exists():
@@ -122,9 +129,9 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         if any(not torch.equal(saved[k], v) for k, v in model.state_dict().items()):
             raise RuntimeError(f"{ckpt}: working weights re-derived from the shadows differ from the saved ones")
         start = state["step"]
+        meter.sync_previous()
     writer = MetricsWriter(out_dir, keep_until_step=start if resume else None)
-    engine = EmbeddedEngine(model, tokenizer)
-    meter = precision.sticking_meter()
+    engine = (make_engine or EmbeddedEngine)(model, tokenizer)
     eval_set = fixed_examples(task, cfg.eval.num_prompts, cfg.eval.seed)
 
     def run_eval() -> dict:

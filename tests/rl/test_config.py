@@ -1,0 +1,52 @@
+"""Experiment configs fail at load time with messages that name the field and the fix."""
+
+import pytest
+
+from dist_sr.rl.config import ConfigError, load_experiment
+from dist_sr.rl.compare import load_compare
+from dist_sr.rl.model import load_pretrained
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"task": {"name": "sorting"}}, "task.name: unknown task 'sorting'; choose one of reverse, add, dataset"),
+    ({"precision": "bf17"}, "precision: unknown precision 'bf17'; choose one of fp32, fp16, bf16"),
+    ({"precision": {"precision": "bf16", "loss_scale": 8}}, "loss_scale applies only to precision fp16"),
+    ({"grpo": {"lr_rate": 1}}, r"unknown field\(s\) \['grpo.lr_rate'\]"),
+    ({"grpo": {"samples_per_prompt": 1}}, "samples_per_prompt must be >= 2"),
+    ({"grpo": {"lr": "fast"}}, "grpo.lr: expected float"),
+    ({"task": {"name": "dataset"}}, "task.source"),
+    ({"precision": "fp32", "shadow_jitter": True}, "shadow_jitter needs FP32 shadows"),
+    ({"rollout": {"engine": "sglang"}}, "rollout.engine: unknown engine 'sglang'"),
+])
+def test_bad_experiment_configs_are_refused(data, match):
+    with pytest.raises(ConfigError, match=match):
+        load_experiment(data)
+
+
+def test_missing_config_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_experiment(tmp_path / "nope.yaml")
+
+
+def test_missing_model_path_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_pretrained(str(tmp_path / "no-model"))
+
+
+def test_repo_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_experiment(root / "configs" / "quickstart.yaml")
+    assert cfg.precision.precision == "bf16-sr" and cfg.grpo.lr == 5e-6
+    assert load_experiment({}) .grpo.steps == 300  # the embedded default is the quickstart
+
+
+def test_compare_config_validates_every_run(tmp_path):
+    path = tmp_path / "cmp.yaml"
+    path.write_text("runs:\n  - {name: a, precision: bf16-sr}\n  - {name: b, precision: bf16-turbo}\nreference: a\n")
+    with pytest.raises(ConfigError, match="unknown precision 'bf16-turbo'"):
+        load_compare(path)
+    path.write_text("runs:\n  - {name: a, precision: bf16}\nreference: bf16-sr\n")
+    with pytest.raises(ConfigError, match="reference"):
+        load_compare(path)
