@@ -1,10 +1,16 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; this must be set
+# before any kernel is defined (at import of dist_sr.numerics.triton_kernels).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Every backend that must give the contract's bits on this machine.
 CPU_BACKENDS = ["reference", "cpu"]

@@ -48,7 +48,7 @@ def load() -> ModuleType:
     try:
         from torch.utils import cpp_extension
 
-        flags = ["-O3", "-fopenmp", "-march=native"]
+        flags = ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off"]
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-mprefer-vector-width=512")
         return cpp_extension.load(

@@ -1,11 +1,13 @@
 """``stochastic_round``: the public FP32 -> BF16 keyed rounding, dispatched to a backend.
 
-Backends give bitwise identical results: ``"reference"`` (pure torch, any device) and ``"cpu"``
-(the compiled C++ kernel). ``"auto"`` picks the fastest one available for the tensor's device.
+Backends give bitwise identical results: ``"reference"`` (pure torch, any device), ``"cpu"`` (the
+compiled C++ kernel) and ``"triton"`` (CUDA). ``"auto"`` picks the fastest one available for the
+tensor's device; a missing fast path falls back to the reference with a one-time warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -14,7 +16,7 @@ import torch
 from . import cpu_kernel, reference
 from .key import check_mode, stream_key
 
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,7 @@ def round_jobs(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     keyed = mode != "nearest"
-    batch: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # CPU-kernel work: x, flat out, key
-    offsets: list[int] = []
+    batches: dict[str, list[tuple[torch.Tensor, torch.Tensor, int | None, int]]] = {"cpu": [], "triton": []}
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
     for job in jobs:
         _validate(job)
@@ -82,28 +83,61 @@ def round_jobs(
         if not dst.is_contiguous():
             dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
             copy_back.append((job.out, dst))
-        if _use_kernel(backend, job.param, x.device):
-            batch.append((x, dst.view(-1), _as_int64(key) if keyed else 0))
-            offsets.append(job.offset)
-        else:
+        chosen = _choose(backend, job.param, x.device)
+        if chosen == "reference":
             reference.round_into(x, dst.view(-1), key, job.offset)
-    if batch:
-        cpu_kernel.load().round_tensors(
-            [b[0] for b in batch], [b[1] for b in batch], keyed, [b[2] for b in batch], offsets
-        )
+        else:
+            batches[chosen].append((x, dst.view(-1), key, job.offset))
+    if batches["cpu"]:
+        b = batches["cpu"]
+        cpu_kernel.load().round_tensors([i[0] for i in b], [i[1] for i in b], keyed,
+                                        [_as_int64(i[2]) if keyed else 0 for i in b], [i[3] for i in b])
+    if batches["triton"]:
+        from . import triton_kernels
+
+        b = batches["triton"]
+        triton_kernels.round_many([i[0] for i in b], [i[1] for i in b], [i[2] for i in b], [i[3] for i in b])
     for out, dst in copy_back:
         out.copy_(dst)
 
 
-def _use_kernel(backend: str, param: str, device: torch.device) -> bool:
-    if backend == "reference" or device.type != "cpu":
-        if backend == "cpu":
-            raise ValueError(f"backend 'cpu' needs CPU tensors; {param!r} is on {device}")
-        return False
+_warned_no_triton = False
+
+
+def triton_available() -> str | None:
+    """None if the Triton kernels can be used, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not installed ({exc})"
+    return None
+
+
+def _choose(backend: str, param: str, device: torch.device) -> str:
+    global _warned_no_triton
+    if backend == "reference":
+        return "reference"
     if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend 'cpu' needs CPU tensors; {param!r} is on {device}")
         cpu_kernel.load()  # raises KernelUnavailable with the reason
-        return True
-    return cpu_kernel.get() is not None
+        return "cpu"
+    if backend == "triton":
+        why = triton_available()
+        if why:
+            raise RuntimeError(f"backend 'triton' unavailable: {why}")
+        return "triton"
+    if device.type == "cpu":
+        return "cpu" if cpu_kernel.get() is not None else "reference"
+    if device.type == "cuda":
+        why = triton_available()
+        if why is None:
+            return "triton"
+        if not _warned_no_triton:
+            _warned_no_triton = True
+            warnings.warn(f"dist_sr: Triton rounding kernel unavailable ({why}); using the pure-torch reference, "
+                          "which gives the same bits more slowly", RuntimeWarning, stacklevel=4)
+    return "reference"
 
 
 def _as_int64(key: int) -> int:

@@ -4,6 +4,6 @@ from .adamw_sr import AdamWSR
 from .loss_scale import DynamicLossScaler
 from .metrics import StickingMeter
 from .params import named_param_groups
-from .shadow import ShadowOptimizer
+from .shadow import ShadowAdamW, ShadowOptimizer
 
-__all__ = ["AdamWSR", "DynamicLossScaler", "ShadowOptimizer", "StickingMeter", "named_param_groups"]
+__all__ = ["AdamWSR", "DynamicLossScaler", "ShadowAdamW", "ShadowOptimizer", "StickingMeter", "named_param_groups"]

@@ -229,3 +229,60 @@ class ShadowOptimizer(torch.optim.Optimizer):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         with torch.no_grad():
             self._write_working()
+
+
+class ShadowAdamW(ShadowOptimizer):
+    """FP32-shadow AdamW whose step is one fused pass per parameter (C++ on CPU, Triton on CUDA).
+
+    It reads the BF16 working gradients directly (no FP32 gradient copy), updates the FP32 shadow
+    and moments, and writes the keyed rounding into the BF16 working weights. State layout and
+    checkpoints are those of ``ShadowOptimizer(torch.optim.AdamW)``: a run may switch between them.
+    Gradient clipping scales inside the fused pass (``clip_grad_norm_`` only measures).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 *, seed: int = 0, mode: str = "stochastic", working_dtype=None, backend: str = "auto"):
+        super().__init__(params, torch.optim.AdamW, seed=seed, mode=mode, working_dtype=working_dtype,
+                         backend=backend, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        for name, p, _ in self._pairs:
+            if p.dtype != torch.bfloat16:
+                raise TypeError(f"ShadowAdamW needs BF16 working weights; {name!r} is {p.dtype} (use ShadowOptimizer)")
+        self._grad_scale = 1.0
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        grads = [p.grad for _, p, _ in self._pairs if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads]), norm_type)
+        self._grad_scale = min(1.0, float(max_norm) / (float(norm) + 1e-6))  # applied in the fused pass
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from ..numerics.fused import AdamWHyper, adamw_step_
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_count += 1
+        by_shadow = {id(s): (n, p) for n, p, s in self._pairs}
+        for group in self.inner.param_groups:
+            beta1, beta2 = group["betas"]
+            for s in group["params"]:
+                name, p = by_shadow[id(s)]
+                if p.grad is None:
+                    continue
+                state = self.inner.state[s]
+                if not state:  # torch.optim.AdamW's layout, so checkpoints interchange
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(s, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(s, memory_format=torch.preserve_format)
+                state["step"] += 1
+                hyper = AdamWHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                                   int(state["step"].item()), self._grad_scale)
+                adamw_step_(s, state["exp_avg"], state["exp_avg_sq"], p.grad, p.data, hyper=hyper, seed=self.seed,
+                            step=self.step_count, param=name, mode=self.mode, backend=self.backend)
+        self._grad_scale = 1.0
+        return loss

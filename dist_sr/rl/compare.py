@@ -131,6 +131,7 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
     jobs = [(spec, seed, run_config(cfg, spec, seed)) for spec in cfg.runs for seed in cfg.seeds]
     warmup_checkpoint(jobs[0][2], progress=progress)  # once, before the workers start
     todo = [j for j in jobs if not _finished(j[2])]
+    todo.sort(key=lambda j: j[2].precision.precision != "fp16")  # slowest on a CPU first: shorter makespan
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="comparison runs", disable=not progress)
     with cf.ProcessPoolExecutor(max_workers=cfg.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(_train_one, exp): (spec.name, seed) for spec, seed, exp in todo}

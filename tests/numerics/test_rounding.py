@@ -226,8 +226,8 @@ def test_bad_inputs_raise_clear_errors(kwargs, err, match, backend):
 
 
 def test_unknown_backend_is_rejected():
-    with pytest.raises(ValueError, match="auto, reference, cpu"):
-        sr(torch.zeros(4), "triton")
+    with pytest.raises(ValueError, match="auto, reference, cpu, triton"):
+        sr(torch.zeros(4), "cuda-magic")
 
 
 def test_missing_kernel_falls_back_to_reference_with_one_warning():

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -99,9 +100,120 @@ void round_tensors(const std::vector<at::Tensor>& xs, std::vector<at::Tensor> ou
   }
 }
 
+
+// ---- fused AdamW + keyed SR ------------------------------------------------------------------
+// One pass over FP32 shadow, FP32 moments and the (BF16 or FP32) gradient; writes the shadow,
+// the moments and the rounded BF16 working weight. Every operation is a separate IEEE-rounded
+// step in this order (no FMA contraction: built with -ffp-contract=off), which the pure-torch
+// reference in dist_sr/numerics/fused.py and the Triton kernel repeat exactly:
+//   g = grad * grad_scale
+//   m = m + (1 - beta1) * (g - m)
+//   v = v * beta2 + ((1 - beta2) * g) * g
+//   s = s * (1 - lr * wd)
+//   s = s + (-step_size * m) / (sqrt(v) * rbc2 + eps)      rbc2 = 1 / sqrt(1 - beta2^t)
+//   w = SR(s)
+struct AdamWArgs {
+  float one_minus_beta1, beta2, one_minus_beta2, decay, neg_step_size, rbc2, eps, grad_scale;
+};
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename G>
+inline float load_grad(const G* g, int64_t j);
+template <>
+inline float load_grad<float>(const float* g, int64_t j) { return g[j]; }
+template <>
+inline float load_grad<uint16_t>(const uint16_t* g, int64_t j) { return bf16_to_float(g[j]); }
+
+template <typename G>
+inline uint32_t adamw_one(float* s, float* m, float* v, const G* g, int64_t j, const AdamWArgs& a) {
+  float gj = load_grad(g, j);
+  if (a.grad_scale != 1.0f) gj = gj * a.grad_scale;
+  float mj = m[j];
+  mj = mj + a.one_minus_beta1 * (gj - mj);
+  float vj = v[j] * a.beta2 + (a.one_minus_beta2 * gj) * gj;
+  float sj = s[j] * a.decay;
+  float denom = std::sqrt(vj) * a.rbc2 + a.eps;
+  sj = sj + (a.neg_step_size * mj) / denom;
+  m[j] = mj;
+  v[j] = vj;
+  s[j] = sj;
+  uint32_t bits;
+  std::memcpy(&bits, &sj, 4);
+  return bits;
+}
+
+template <typename G>
+void adamw_span(float* s, float* m, float* v, const G* g, uint16_t* out, int64_t n, bool keyed, uint64_t key,
+                int64_t offset, const AdamWArgs& a) {
+  auto scalar = [&](int64_t j) {
+    const uint32_t b = adamw_one(s, m, v, g, j, a);
+    out[j] = round_one(b, keyed ? bits_for(key, offset + j) : nearest_bits(b));
+  };
+  const int64_t head = std::min<int64_t>(n, (kChunk - offset % kChunk) % kChunk);
+  for (int64_t j = 0; j < head; ++j) scalar(j);
+  const int64_t chunks = (n - head) / kChunk;
+  const int64_t first_block = (offset + head) / 4;
+  at::parallel_for(0, chunks, kGrain / 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t base = head + c * kChunk;
+      uint32_t b[kChunk];
+      for (int k = 0; k < kChunk; ++k) b[k] = adamw_one(s, m, v, g, base + k, a);
+      uint16_t r[kChunk];
+      if (keyed) {
+        uint64_t h[8];
+        const uint64_t q = static_cast<uint64_t>(first_block + c * 8);
+        for (int t = 0; t < 8; ++t) h[t] = mix(key + (q + t + 1) * kGamma);
+        std::memcpy(r, h, sizeof(r));
+        for (int k = 0; k < kChunk; ++k) out[base + k] = round_one(b[k], r[k]);
+      } else {
+        for (int k = 0; k < kChunk; ++k) out[base + k] = round_one(b[k], nearest_bits(b[k]));
+      }
+    }
+  });
+  for (int64_t j = head + chunks * kChunk; j < n; ++j) scalar(j);
+}
+
+void adamw_sr(at::Tensor shadow, at::Tensor exp_avg, at::Tensor exp_avg_sq, const at::Tensor& grad,
+              at::Tensor out, bool keyed, int64_t key, int64_t offset, double one_minus_beta1, double beta2,
+              double one_minus_beta2, double decay, double neg_step_size, double rbc2, double eps,
+              double grad_scale) {
+  for (const auto* t : {&shadow, &exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "dist_sr fused AdamW: shadow and moments must be contiguous float32 CPU tensors");
+    TORCH_CHECK(t->numel() == shadow.numel(), "dist_sr fused AdamW: numel mismatch");
+  }
+  TORCH_CHECK(grad.numel() == shadow.numel() && grad.is_contiguous() && grad.device().is_cpu() &&
+                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
+              "dist_sr fused AdamW: grad must be a contiguous float32 or bfloat16 CPU tensor of the shadow's numel");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == shadow.numel(),
+              "dist_sr fused AdamW: out must be a contiguous bfloat16 tensor of the shadow's numel");
+  // the constants arrive computed in double by dist_sr.numerics.fused.AdamWHyper.scalars()
+  AdamWArgs a{static_cast<float>(one_minus_beta1), static_cast<float>(beta2), static_cast<float>(one_minus_beta2),
+              static_cast<float>(decay), static_cast<float>(neg_step_size), static_cast<float>(rbc2),
+              static_cast<float>(eps), static_cast<float>(grad_scale)};
+  auto* s = shadow.data_ptr<float>();
+  auto* m = exp_avg.data_ptr<float>();
+  auto* v = exp_avg_sq.data_ptr<float>();
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const uint64_t k = static_cast<uint64_t>(key);
+  if (grad.scalar_type() == at::kFloat) {
+    adamw_span(s, m, v, grad.data_ptr<float>(), o, shadow.numel(), keyed, k, offset, a);
+  } else {
+    adamw_span(s, m, v, reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()), o, shadow.numel(), keyed,
+               k, offset, a);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_tensor", &round_tensor, "keyed or nearest FP32->BF16 rounding into out");
   m.def("round_tensors", &round_tensors, "round_tensor over lists, one call");
+  m.def("adamw_sr", &adamw_sr, "fused AdamW step on FP32 shadow/moments + keyed rounding into BF16 out");
 }

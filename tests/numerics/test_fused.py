@@ -1,0 +1,104 @@
+"""Fused AdamW + SR: every backend gives the reference's bits; the optimizer built on it."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dist_sr import ShadowAdamW, ShadowOptimizer, stochastic_round
+from dist_sr.numerics.fused import AdamWHyper, adamw_step_
+from tests.conftest import bits16
+
+
+def state(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6,
+            torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("n", [1, 31, 33, 1000, 100_003])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", ["stochastic", "dither", "nearest"])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])
+def test_cpu_kernel_equals_reference_bitwise(n, grad_dtype, mode, grad_scale):
+    s, m, v, g = state(n)
+    g = g.to(grad_dtype)
+    h = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, grad_scale=grad_scale)
+    results = []
+    for backend in ("reference", "cpu"):
+        S, M, V = s.clone(), m.clone(), v.clone()
+        out = torch.empty(n, dtype=torch.bfloat16)
+        adamw_step_(S, M, V, g, out, hyper=h, seed=5, step=3, param="layer.w", offset=13, mode=mode, backend=backend)
+        results.append((S, M, V, bits16(out)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_output_is_the_keyed_rounding_of_the_updated_shadow():
+    s, m, v, g = state(5000)
+    out = torch.empty(5000, dtype=torch.bfloat16)
+    adamw_step_(s, m, v, g, out, hyper=AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1), seed=2, step=9, param="p", offset=40)
+    assert torch.equal(bits16(out), bits16(stochastic_round(s, seed=2, step=9, param="p", offset=40)))
+
+
+def test_split_pieces_with_offsets_equal_the_whole():
+    s, m, v, g = state(10_000)
+    h = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 2)
+    whole = [t.clone() for t in (s, m, v)]
+    out_whole = torch.empty(10_000, dtype=torch.bfloat16)
+    adamw_step_(*whole, g, out_whole, hyper=h, seed=1, step=2, param="w")
+    pieces = [t.clone() for t in (s, m, v)]
+    out = torch.empty(10_000, dtype=torch.bfloat16)
+    for a, b in [(0, 37), (37, 4096), (4096, 10_000)]:
+        adamw_step_(*(t[a:b] for t in pieces), g[a:b], out[a:b], hyper=h, seed=1, step=2, param="w", offset=a)
+    assert torch.equal(bits16(out), bits16(out_whole))
+    for x, y in zip(whole, pieces):
+        assert torch.equal(x, y)
+
+
+def test_bad_tensors_are_refused():
+    s, m, v, g = state(10)
+    h = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    with pytest.raises(TypeError, match="shadow"):
+        adamw_step_(s.bfloat16(), m, v, g, torch.empty(10, dtype=torch.bfloat16), hyper=h, seed=0, step=1, param="w")
+    with pytest.raises(TypeError, match="out"):
+        adamw_step_(s, m, v, g, torch.empty(10), hyper=h, seed=0, step=1, param="w")
+
+
+def twin_models():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(torch.bfloat16)
+    return copy.deepcopy(base), copy.deepcopy(base)
+
+
+def test_shadow_adamw_tracks_shadow_optimizer_and_shares_its_checkpoints():
+    a, b = twin_models()
+    fused = ShadowAdamW(a.named_parameters(), lr=1e-3, weight_decay=0.01, seed=3)
+    plain = ShadowOptimizer(b.named_parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.01, seed=3)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    for _ in range(5):
+        for model, opt in ((a, fused), (b, plain)):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+    for (_, pa, sa), (_, pb, sb) in zip(fused.named_shadows(), plain.named_shadows()):
+        # same algorithm, torch's AdamW may use fused-multiply-add: equal to float rounding
+        assert torch.allclose(sa, sb, rtol=0, atol=1e-6)
+        assert torch.equal(bits16(pa.data), bits16(stochastic_round(sa, seed=3, step=5, param=_name(fused, pa))))
+    # a ShadowAdamW checkpoint loads into a ShadowOptimizer(AdamW) and re-derives the same weights
+    c, _ = twin_models()
+    restored = ShadowOptimizer(c.named_parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.01, seed=3)
+    restored.load_state_dict(fused.state_dict())
+    for pa, pc in zip(a.parameters(), c.parameters()):
+        assert torch.equal(bits16(pa.data), bits16(pc.data))
+
+
+def _name(opt, p):
+    return next(n for n, q, _ in opt.named_shadows() if q is p)
+
+
+def test_shadow_adamw_refuses_fp16_weights():
+    with pytest.raises(TypeError, match="BF16 working weights"):
+        ShadowAdamW(nn.Linear(2, 2).half().named_parameters(), mode="nearest")
