@@ -34,11 +34,13 @@ def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
     return (z >> ((index & 3) * 16)) & 0xFFFF
 
 
-def round_into(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int) -> None:
+def round_into(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
+               rows: tuple[int, int] | None = None) -> None:
     """Write the rounding of flat FP32 ``x`` into flat BF16 ``out`` (both contiguous, same numel).
 
     ``key=None`` is round-to-nearest-even; otherwise the element at position ``j`` uses the random
-    bits of global index ``offset + j``.
+    bits of global index ``offset + j``, or with ``rows=(row_len, row_stride)`` of
+    ``offset + (j // row_len) * row_stride + j % row_len``.
     """
     out_bits = out.view(torch.int16)
     x_bits = x.view(torch.int32)
@@ -47,7 +49,10 @@ def round_into(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int)
         if key is None:
             r = 0x7FFF + ((xb >> 16) & 1)
         else:
-            idx = torch.arange(offset + start, offset + start + xb.numel(), device=x.device, dtype=torch.int64)
+            idx = torch.arange(start, start + xb.numel(), device=x.device, dtype=torch.int64)
+            if rows is not None:
+                idx = (idx // rows[0]) * rows[1] + idx % rows[0]
+            idx = idx + offset
             r = random_bits(key, idx)
         y = ((xb + r) >> 16) & 0xFFFF
         is_nan = ((xb & 0x7F800000) == 0x7F800000) & ((xb & 0x007FFFFF) != 0)

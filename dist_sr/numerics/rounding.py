@@ -21,13 +21,18 @@ BACKENDS = ("auto", "reference", "cpu", "triton")
 
 @dataclass(frozen=True)
 class RoundingJob:
-    """One FP32 piece of parameter ``param`` (elements ``[offset, offset + x.numel())``) to be
-    rounded into the BF16 tensor ``out`` (same shape)."""
+    """One FP32 piece of parameter ``param`` to be rounded into the BF16 tensor ``out`` (same shape).
+
+    By default the piece is elements ``[offset, offset + x.numel())`` of the flattened parameter.
+    With ``row_stride``, it is a strided block (a column shard): ``x`` viewed as
+    ``[-1, x.shape[-1]]`` has element ``(r, c)`` at global index ``offset + r * row_stride + c``.
+    """
 
     param: str
     x: torch.Tensor
     out: torch.Tensor
     offset: int = 0
+    row_stride: int | None = None
 
 
 def stochastic_round(
@@ -40,6 +45,7 @@ def stochastic_round(
     mode: str = "stochastic",
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    row_stride: int | None = None,
 ) -> torch.Tensor:
     """Round FP32 ``x`` to BF16 with random bits keyed by (seed, step, param, element index).
 
@@ -53,9 +59,12 @@ def stochastic_round(
     ``0x7FC0``; +-Inf, -0 and subnormals are exact; values beyond the largest finite BF16 round
     to it or to Inf as if Inf were the next BF16 value (``2^128``).
 
+    ``row_stride`` describes a strided shard without copying it (see ``RoundingJob``): a column
+    shard ``w[:, c0:c1]`` of a ``[R, C]`` weight is ``offset=c0, row_stride=C``.
+
     Returns ``out`` (BF16, same shape as ``x``), allocated if not given.
     """
-    job = RoundingJob(param, x, _out_for(x, out), offset)
+    job = RoundingJob(param, x, _out_for(x, out), offset, row_stride)
     round_jobs([job], seed=seed, step=step, mode=mode, backend=backend)
     return job.out
 
@@ -84,7 +93,17 @@ def round_jobs(
             dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
             copy_back.append((job.out, dst))
         chosen = _choose(backend, job.param, x.device)
-        if chosen == "reference":
+        if job.row_stride is not None and keyed:
+            rows = (job.x.shape[-1] if job.x.dim() else 1, job.row_stride)
+            if chosen == "cpu":
+                cpu_kernel.load().round_rows(x, dst.view(-1), _as_int64(key), job.offset, *rows)
+            elif chosen == "triton":
+                from . import triton_kernels
+
+                triton_kernels.round_many([x], [dst.view(-1)], [key], [job.offset], rows=[rows])
+            else:
+                reference.round_into(x, dst.view(-1), key, job.offset, rows)
+        elif chosen == "reference":
             reference.round_into(x, dst.view(-1), key, job.offset)
         else:
             batches[chosen].append((x, dst.view(-1), key, job.offset))
@@ -165,6 +184,10 @@ def _validate(job: RoundingJob) -> None:
         raise ValueError(f"out for {job.param!r} has shape {tuple(out.shape)}, x has {tuple(x.shape)}")
     if out.device != x.device:
         raise ValueError(f"out for {job.param!r} is on {out.device}, x is on {x.device}")
+    if job.row_stride is not None:
+        row_len = x.shape[-1] if x.dim() else 1
+        if not isinstance(job.row_stride, int) or job.row_stride < row_len:
+            raise ValueError(f"row_stride for {job.param!r} must be an int >= the row length {row_len}, got {job.row_stride!r}")
     if not isinstance(job.offset, int) or isinstance(job.offset, bool) or job.offset < 0:
         raise ValueError(f"offset for {job.param!r} must be a non-negative int, got {job.offset!r}")
     if job.offset + x.numel() > 1 << 62:

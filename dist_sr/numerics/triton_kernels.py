@@ -50,15 +50,20 @@ def _task(task_tensor, task_block, ns, keys, offsets):
 
 
 @triton.jit
-def _sr_kernel(task_tensor, task_block, x_ptrs, out_ptrs, ns, keys, offsets, KEYED: tl.constexpr,
-               BLOCK: tl.constexpr):
+def _sr_kernel(task_tensor, task_block, x_ptrs, out_ptrs, ns, keys, offsets, row_lens, row_strides,
+               KEYED: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     t, start, n, key, offset = _task(task_tensor, task_block, ns, keys, offsets)
     x_ptr = tl.load(x_ptrs + t).to(tl.pointer_type(tl.uint32))
     out_ptr = tl.load(out_ptrs + t).to(tl.pointer_type(tl.uint16))
     j = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = j < n
     b = tl.load(x_ptr + j, mask=mask, other=0)
-    y = _round_block(b, (offset + j).to(tl.uint64), key, KEYED)
+    if STRIDED:  # a strided shard: local row r, column c is global offset + r * row_stride + c
+        row_len = tl.load(row_lens + t)
+        g = offset + (j // row_len) * tl.load(row_strides + t) + j % row_len
+    else:
+        g = offset + j
+    y = _round_block(b, g.to(tl.uint64), key, KEYED)
     tl.store(out_ptr + j, y.to(tl.uint16), mask=mask)
 
 
@@ -130,20 +135,29 @@ def _i64(values, device) -> torch.Tensor:
 
 
 def round_many(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], keys: Sequence[int | None],
-               offsets: Sequence[int]) -> None:
-    """Round flat FP32 tensors into flat BF16 tensors in one launch per rounding kind."""
+               offsets: Sequence[int], rows: Sequence[tuple[int, int] | None] | None = None) -> None:
+    """Round flat FP32 tensors into flat BF16 tensors, one launch per (keyed, strided) kind.
+
+    ``rows[i] = (row_len, row_stride)`` marks tensor ``i`` as a strided shard (see RoundingJob).
+    """
+    rows = list(rows) if rows is not None else [None] * len(xs)
     for keyed in (True, False):
-        sel = [i for i, k in enumerate(keys) if (k is not None) == keyed and xs[i].numel()]
-        if not sel:
-            continue
-        device = _check_device([xs[i] for i in sel] + [outs[i] for i in sel])
-        ns = [xs[i].numel() for i in sel]
-        ids, blocks, grid = _table(ns, device)
-        _sr_kernel[(grid,)](
-            ids, blocks, _i64([xs[i].data_ptr() for i in sel], device), _i64([outs[i].data_ptr() for i in sel], device),
-            _i64(ns, device), _i64([keys[i] or 0 for i in sel], device), _i64([offsets[i] for i in sel], device),
-            KEYED=keyed, BLOCK=BLOCK,
-        )
+        for strided in (False, True):
+            sel = [i for i, k in enumerate(keys)
+                   if (k is not None) == keyed and (rows[i] is not None) == strided and xs[i].numel()]
+            if not sel:
+                continue
+            device = _check_device([xs[i] for i in sel] + [outs[i] for i in sel])
+            ns = [xs[i].numel() for i in sel]
+            ids, blocks, grid = _table(ns, device)
+            shape = [rows[i] or (1, 1) for i in sel]
+            _sr_kernel[(grid,)](
+                ids, blocks, _i64([xs[i].data_ptr() for i in sel], device),
+                _i64([outs[i].data_ptr() for i in sel], device), _i64(ns, device),
+                _i64([keys[i] or 0 for i in sel], device), _i64([offsets[i] for i in sel], device),
+                _i64([r[0] for r in shape], device), _i64([r[1] for r in shape], device),
+                KEYED=keyed, STRIDED=strided, BLOCK=BLOCK,
+            )
 
 
 def adamw_sr_(shadow, exp_avg, exp_avg_sq, grad, out, key: int | None, offset: int, hyper) -> None:

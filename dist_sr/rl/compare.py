@@ -273,24 +273,27 @@ def _plot(cfg: CompareConfig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     data = _load(cfg)
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
     for spec in cfg.runs:
         seeds = data[spec.name]
+        means = {}
         for ax, key in zip(axes[:2], ("eval_accuracy", "eval_kl")):
             curves = [_eval_curve(rows, key) for rows in seeds]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             vals = [[c[s] for c in curves] for s in steps]
-            mean = [_mean(v) for v in vals]
-            line, = ax.plot(steps, mean, label=spec.name)
+            means[key] = [_mean(v) for v in vals]
+            line, = ax.plot(steps, means[key], label=spec.name)
             ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
+        axes[2].plot(means["eval_accuracy"], means["eval_kl"], label=spec.name)
         rows = seeds[0]
         steps = [r["step"] for r in rows if "changed_frac" in r]
         changed = [r["changed_frac"] for r in rows if "changed_frac" in r]
-        axes[2].plot(steps, changed, label=spec.name)
+        axes[3].plot(steps, changed, label=spec.name)
     axes[0].set(title="eval accuracy (band: min-max over seeds)", xlabel="GRPO step", ylabel="accuracy")
     axes[1].set(title="KL(policy || start) at answer positions", xlabel="GRPO step", ylabel="KL (nats/token)")
-    axes[2].set(title="fraction of working-weight elements changed per step (seed 0)", xlabel="GRPO step",
-                yscale="log")
+    axes[2].set(title="KL vs accuracy (seed means): drift paid per gain", xlabel="eval accuracy",
+                ylabel="KL (nats/token)")
+    axes[3].set(title="working-weight elements changed per step (seed 0)", xlabel="GRPO step", yscale="log")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -248,3 +248,24 @@ print(a.view(torch.int16).tolist())
     assert n_warnings == "1"
     fast = stochastic_round(torch.linspace(-3, 3, 1000), seed=1, step=1, param="w", backend="cpu")
     assert bits == str(fast.view(torch.int16).tolist())
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("cols", [(0, 48), (48, 96), (17, 18), (0, 129)])
+def test_column_shard_with_row_stride_equals_the_whole(backend_name, cols):
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")
+    torch.manual_seed(3)
+    w = torch.randn(37, 129)
+    whole = bits16(sr(w, "reference"))
+    a, b = cols
+    shard = w[:, a:b].contiguous()  # what a Shard(1) placement holds locally
+    got = stochastic_round(shard, seed=11, step=3, param="layer.weight", offset=a, row_stride=129, backend=backend_name)
+    assert torch.equal(bits16(got), whole[:, a:b])
+
+
+def test_bad_row_stride_is_refused():
+    with pytest.raises(ValueError, match="row_stride"):
+        stochastic_round(torch.zeros(4, 8), seed=1, step=1, param="w", row_stride=4)

@@ -85,6 +85,25 @@ void round_one_tensor(const at::Tensor& x, at::Tensor& out, bool keyed, uint64_t
   }
 }
 
+// A strided shard: x is [rows, row_len] contiguous, and its element (r, c) is element
+// offset + r * row_stride + c of the full parameter (e.g. a column shard of a 2-D weight). Each
+// row is a contiguous span of the parameter, rounded in place with no copy.
+void round_rows(const at::Tensor& x, at::Tensor out, int64_t key, int64_t offset, int64_t row_len,
+                int64_t row_stride) {
+  check_pair(x, out);
+  TORCH_CHECK(row_len > 0 && x.numel() % row_len == 0, "dist_sr CPU kernel: numel is not a multiple of row_len");
+  TORCH_CHECK(row_stride >= row_len, "dist_sr CPU kernel: row_stride must be >= row_len");
+  const auto* xb = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t rows = x.numel() / row_len;
+  const int64_t grain = std::max<int64_t>(1, (kGrain * kChunk) / row_len);
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      sr_span(xb + r * row_len, ob + r * row_len, row_len, static_cast<uint64_t>(key), offset + r * row_stride);
+    }
+  });
+}
+
 // key arrives as int64 (pybind has no uint64 on every platform); the bits are the same.
 void round_tensor(const at::Tensor& x, at::Tensor out, bool keyed, int64_t key, int64_t offset) {
   round_one_tensor(x, out, keyed, static_cast<uint64_t>(key), offset);
@@ -130,15 +149,17 @@ inline float load_grad<float>(const float* g, int64_t j) { return g[j]; }
 template <>
 inline float load_grad<uint16_t>(const uint16_t* g, int64_t j) { return bf16_to_float(g[j]); }
 
+// grad_scale is applied unconditionally: multiplying by 1.0f is exact, so this equals the
+// reference's "scale only when != 1" and keeps the loop free of branches.
 template <typename G>
-inline uint32_t adamw_one(float* s, float* m, float* v, const G* g, int64_t j, const AdamWArgs& a) {
-  float gj = load_grad(g, j);
-  if (a.grad_scale != 1.0f) gj = gj * a.grad_scale;
+inline uint32_t adamw_one(float* __restrict__ s, float* __restrict__ m, float* __restrict__ v,
+                          const G* __restrict__ g, int64_t j, const AdamWArgs& a) {
+  const float gj = load_grad(g, j) * a.grad_scale;
   float mj = m[j];
   mj = mj + a.one_minus_beta1 * (gj - mj);
-  float vj = v[j] * a.beta2 + (a.one_minus_beta2 * gj) * gj;
+  const float vj = v[j] * a.beta2 + (a.one_minus_beta2 * gj) * gj;
   float sj = s[j] * a.decay;
-  float denom = std::sqrt(vj) * a.rbc2 + a.eps;
+  const float denom = std::sqrt(vj) * a.rbc2 + a.eps;
   sj = sj + (a.neg_step_size * mj) / denom;
   m[j] = mj;
   v[j] = vj;
@@ -149,8 +170,8 @@ inline uint32_t adamw_one(float* s, float* m, float* v, const G* g, int64_t j, c
 }
 
 template <typename G>
-void adamw_span(float* s, float* m, float* v, const G* g, uint16_t* out, int64_t n, bool keyed, uint64_t key,
-                int64_t offset, const AdamWArgs& a) {
+void adamw_span(float* __restrict__ s, float* __restrict__ m, float* __restrict__ v, const G* __restrict__ g,
+                uint16_t* __restrict__ out, int64_t n, bool keyed, uint64_t key, int64_t offset, const AdamWArgs& a) {
   auto scalar = [&](int64_t j) {
     const uint32_t b = adamw_one(s, m, v, g, j, a);
     out[j] = round_one(b, keyed ? bits_for(key, offset + j) : nearest_bits(b));
@@ -162,18 +183,23 @@ void adamw_span(float* s, float* m, float* v, const G* g, uint16_t* out, int64_t
   at::parallel_for(0, chunks, kGrain / 4, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t base = head + c * kChunk;
+      float* __restrict__ sc = s + base;
+      float* __restrict__ mc = m + base;
+      float* __restrict__ vc = v + base;
+      const G* __restrict__ gc = g + base;
       uint32_t b[kChunk];
-      for (int k = 0; k < kChunk; ++k) b[k] = adamw_one(s, m, v, g, base + k, a);
+      for (int k = 0; k < kChunk; ++k) b[k] = adamw_one(sc, mc, vc, gc, k, a);
       uint16_t r[kChunk];
       if (keyed) {
         uint64_t h[8];
         const uint64_t q = static_cast<uint64_t>(first_block + c * 8);
         for (int t = 0; t < 8; ++t) h[t] = mix(key + (q + t + 1) * kGamma);
         std::memcpy(r, h, sizeof(r));
-        for (int k = 0; k < kChunk; ++k) out[base + k] = round_one(b[k], r[k]);
       } else {
-        for (int k = 0; k < kChunk; ++k) out[base + k] = round_one(b[k], nearest_bits(b[k]));
+        for (int k = 0; k < kChunk; ++k) r[k] = static_cast<uint16_t>(nearest_bits(b[k]));
       }
+      uint16_t* __restrict__ oc = out + base;
+      for (int k = 0; k < kChunk; ++k) oc[k] = round_one(b[k], r[k]);
     }
   });
   for (int64_t j = head + chunks * kChunk; j < n; ++j) scalar(j);
@@ -215,5 +241,6 @@ void adamw_sr(at::Tensor shadow, at::Tensor exp_avg, at::Tensor exp_avg_sq, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_tensor", &round_tensor, "keyed or nearest FP32->BF16 rounding into out");
   m.def("round_tensors", &round_tensors, "round_tensor over lists, one call");
+  m.def("round_rows", &round_rows, "keyed rounding of a strided shard given as rows of the full parameter");
   m.def("adamw_sr", &adamw_sr, "fused AdamW step on FP32 shadow/moments + keyed rounding into BF16 out");
 }
