@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dist_sr import ShadowOptimizer
+from dist_sr import ShadowAdamW, ShadowOptimizer
 from dist_sr.numerics import cpu_kernel, reference
 from dist_sr.numerics.key import stream_key
 
@@ -71,10 +71,14 @@ def optimizer_candidates(n: int) -> dict:
     work_rtn = torch.nn.Parameter(work.detach().clone())
     work_rtn.grad = work.grad.clone()
     shadow_rtn = ShadowOptimizer([("w", work_rtn)], torch.optim.AdamW, lr=1e-5, fused=True, mode="nearest")
+    work_fused = torch.nn.Parameter(work.detach().clone())
+    work_fused.grad = work.grad.clone()
+    fused_sr = ShadowAdamW([("w", work_fused)], lr=1e-5, mode="stochastic")
     return {
         "AdamW(fused) step, FP32 params": plain.step,
         "ShadowOptimizer AdamW(fused) + RTN": shadow_rtn.step,
         "ShadowOptimizer AdamW(fused) + SR": shadow_sr.step,
+        "ShadowAdamW (one fused C++ pass, SR)": fused_sr.step,
     }
 
 

@@ -33,13 +33,27 @@ def test_missing_model_path_is_refused(tmp_path):
         load_pretrained(str(tmp_path / "no-model"))
 
 
-def test_repo_configs_load():
-    from pathlib import Path
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
-    root = Path(__file__).resolve().parents[2]
-    cfg = load_experiment(root / "configs" / "quickstart.yaml")
-    assert cfg.precision.precision == "bf16-sr" and cfg.grpo.lr == 5e-6
-    assert load_experiment({}) .grpo.steps == 300  # the embedded default is the quickstart
+
+def test_repo_experiment_configs_load_and_the_default_is_the_quickstart():
+    quick = load_experiment(ROOT / "configs" / "quickstart.yaml")
+    assert quick.precision.precision == "bf16-sr" and quick.grpo.lr == 5e-6
+    default = load_experiment({})
+    assert (default.model, default.task, default.warmup, default.grpo, default.eval) == \
+        (quick.model, quick.task, quick.warmup, quick.grpo, quick.eval)
+    for path in sorted((ROOT / "configs").glob("precision-*.yaml")):
+        cfg = load_experiment(path)
+        assert path.stem == f"precision-{cfg.precision.precision}"
+
+
+def test_repo_compare_config_is_the_embedded_default():
+    from dataclasses import asdict
+
+    file_cfg = load_compare(ROOT / "configs" / "compare-quickstart.yaml")
+    default = load_compare(None)
+    assert [asdict(r) for r in file_cfg.runs] == [asdict(r) for r in default.runs]
+    assert (file_cfg.seeds, file_cfg.threshold, file_cfg.reference) == (default.seeds, default.threshold, default.reference)
 
 
 def test_compare_config_validates_every_run(tmp_path):
