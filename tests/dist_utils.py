@@ -20,6 +20,7 @@ def _entry(rank, world_size, port, fn, args, errors):
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # nobody tears down while a peer still talks to it
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
