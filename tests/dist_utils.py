@@ -31,15 +31,18 @@ def _entry(rank, world_size, port, fn, args, errors):
 def run_workers(fn, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; re-raise failures."""
     ctx = mp.get_context("spawn")
+    crash = None
     errors = ctx.SimpleQueue()
     port = free_port()
     try:
         mp.start_processes(_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,
                            start_method="spawn", join=True)
-    except mp.ProcessRaisedException:
-        pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        crash = exc
     failures = []
     while not errors.empty():
         failures.append(errors.get())
     if failures:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))
+    if crash is not None:
+        raise AssertionError(f"a worker died without a Python traceback: {crash}")

@@ -1,0 +1,171 @@
+"""FSDP2 with SR in the all-gather cast, on real FSDP2 over gloo process groups."""
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from dist_sr import stochastic_round
+from dist_sr.integrations.fsdp2 import shard_layout
+from dist_sr.replica import tensor_digest
+from tests.dist_utils import run_workers
+
+pytestmark = pytest.mark.slow
+SEED, STEPS = 1234, 3
+
+
+def tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # uneven and empty shards: the 3-row embedding and lm_head leave rank 3 of 4 empty, and the
+    # 41-row MLP matrices split 21/20 at world size 2 and 11/11/11/8 at world size 4
+    config = Qwen2Config(vocab_size=3, hidden_size=24, intermediate_size=41, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                         tie_word_embeddings=False, initializer_range=0.25)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def build(world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_sr.integrations import fsdp2
+
+    model = tiny_qwen2()
+    ctx = fsdp2.prepare(model, seed=SEED)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ctx.track(opt)
+    return model, ctx, opt
+
+
+def batch():
+    g = torch.Generator().manual_seed(7)  # the same batch on every rank: reductions are exact
+    return torch.randint(0, 3, (4, 9), generator=g)
+
+
+def train(model, opt, steps):
+    for _ in range(steps):
+        ids = batch()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return grads
+
+
+def capture_working(model):
+    """The unsharded BF16 weights each module's forward uses, by normalised name."""
+    from dist_sr.numerics.key import normalize_param_name
+
+    seen, handles = {}, []
+    for mod_name, mod in model.named_modules():
+        if not list(mod.parameters(recurse=False)):
+            continue
+
+        def hook(m, args, kwargs, prefix=mod_name):
+            for n, p in m.named_parameters(recurse=False):
+                seen[normalize_param_name(f"{prefix}.{n}" if prefix else n)] = p.detach().clone()
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    ids = batch()
+    model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def check_offsets_against_dtensor(model, world_size):
+    """The global offsets SR uses are DTensor's own: the local piece of arange(numel) starts there."""
+    from torch.distributed.tensor import distribute_tensor
+
+    rank = torch.distributed.get_rank()
+    for name, p in model.named_parameters():
+        index = torch.arange(p.numel()).view(p.shape)
+        local = distribute_tensor(index, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        offset, row_stride, _ = shard_layout(tuple(p.shape), tuple(local.shape), world_size, rank)
+        if local.numel():
+            assert row_stride is None and torch.equal(local.flatten(), torch.arange(offset, offset + local.numel())), name
+
+
+def _bits_worker(rank, world_size, out_dir):
+    from dist_sr.integrations import fsdp2
+
+    model, ctx, opt = build(world_size)
+    check_offsets_against_dtensor(model, world_size)
+    ctx.record_gathers = True
+    grads = train(model, opt, STEPS)
+    full = fsdp2.full_master(model)
+    working = capture_working(model)
+    assert ctx.step == STEPS and set(working) == set(full)
+    for name, w in working.items():
+        expected = stochastic_round(full[name], seed=SEED, step=STEPS, param=name)
+        assert w.dtype == torch.bfloat16 and torch.equal(w.view(torch.int16), expected.view(torch.int16)), name
+    # gradients are reduced and kept in FP32 on the FP32 shards
+    assert all(g is None or g.dtype == torch.float32 for g in grads)
+    # every gather of a (parameter, step, shard) sent the same bits: forward == backward re-gather
+    by_key = defaultdict(set)
+    counts = defaultdict(int)
+    for name, step, offset, digest in ctx.gathers:
+        by_key[(name, step, offset)].add(digest)
+        counts[(name, step)] += 1
+    assert all(len(d) == 1 for d in by_key.values())
+    layer_keys = [k for k in counts if k[0].startswith("model.layers.") and k[1] < STEPS]
+    assert layer_keys and all(counts[k] >= 2 for k in layer_keys)  # re-gathered in backward
+    digests = {n: tensor_digest(w) for n, w in working.items()}
+    if rank == 0:
+        (out_dir / f"world{world_size}.json").write_text(json.dumps(digests, sort_keys=True))
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, digests)
+    assert all(g == digests for g in gathered)  # every rank holds identical working bits
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_working_weights_are_the_keyed_rounding_of_the_full_master(world_size, tmp_path):
+    run_workers(_bits_worker, world_size, tmp_path)
+
+
+def test_world_sizes_1_2_4_give_identical_bf16_weights(tmp_path):
+    # every rank trains on the same batch, so the FP32 reductions are exact and the masters, hence
+    # the keyed BF16 bits, are identical at every step; with different per-rank data the FP32
+    # summation order changes with the world size and later masters may differ in their last bits
+    for world_size in (1, 2, 4):
+        run_workers(_bits_worker, world_size, tmp_path)
+    results = {w: json.loads((tmp_path / f"world{w}.json").read_text()) for w in (1, 2, 4)}
+    assert results[1] == results[2] == results[4]
+
+
+def _save_worker(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    from dist_sr.integrations import fsdp2
+
+    model, ctx, opt = build(world_size)
+    train(model, opt, STEPS)
+    dcp.save({"model": fsdp2.sharded_state_dict(model)}, checkpoint_id=str(path / "ckpt"))
+    working = {n: tensor_digest(w) for n, w in capture_working(model).items()}
+    if rank == 0:
+        (path / "sr.json").write_text(json.dumps({"sr": ctx.state_dict(), "working": working}))
+
+
+def _load_worker(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    from dist_sr.integrations import fsdp2
+
+    model, ctx, opt = build(world_size)
+    saved = json.loads((path / "sr.json").read_text())
+    state = {"model": fsdp2.sharded_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path / "ckpt"))
+    ctx.load_state_dict(saved["sr"])
+    working = {n: tensor_digest(w) for n, w in capture_working(model).items()}
+    assert working == saved["working"]
+
+
+@pytest.mark.parametrize("load_world", [1, 4])
+def test_dcp_checkpoint_reloads_at_another_world_size_with_identical_bits(load_world, tmp_path):
+    run_workers(_save_worker, 2, tmp_path)
+    run_workers(_load_worker, load_world, tmp_path)
