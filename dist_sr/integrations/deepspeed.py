@@ -1,0 +1,293 @@
+"""DeepSpeed ZeRO: keyed SR where DeepSpeed copies its FP32 master partitions into BF16.
+
+DeepSpeed has no extension point for that copy, so this module patches the copy sites of the
+DeepSpeed versions it was tested with (``TESTED``), and refuses any other version at attach time:
+
+- ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ZeRO-1 with ``grad_accum_dtype: fp32``
+  (``BF16_Optimizer``): after the RTN copy of the local partition and before the all-gather of
+  the BF16 partitions, every parameter fragment in the local partition is overwritten with
+  ``stochastic_round(fp32 fragment)`` keyed by the parameter's name and the fragment's element
+  offset inside the parameter (``param._hp_mapping.lp_fragment_address.start``), never a
+  flat-buffer offset (padding depends on the world size). CPU offload takes the same path.
+- ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): after the copy into each sub-group's BF16 partition,
+  every ``param.ds_tensor`` (elements ``[r*pn, (r+1)*pn)`` of the parameter on partition rank ``r``)
+  is overwritten with its keyed rounding.
+- Checkpoints: after ``engine.load_checkpoint`` (normal or universal, any world size) the BF16
+  weights are re-derived from the loaded FP32 master with the restored step, so the RTN copies in
+  DeepSpeed's loaders never win.
+
+The key's step is ``engine.global_steps`` (saved in every DeepSpeed checkpoint): the rounding
+inside optimizer step ``k`` uses ``k``.
+
+Turned on from the DeepSpeed JSON config itself::
+
+    "stochastic_rounding": {"enabled": true, "seed": 1234, "mode": "stochastic"}
+
+with ``dist_sr.integrations.deepspeed.initialize`` as a drop-in for ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..numerics import RoundingJob, round_jobs
+from ..numerics.key import MODES, check_mode, normalize_param_name
+
+TESTED = ((0, 19, 8), (0, 20, 0))  # [low, high): the DeepSpeed versions whose internals were tested
+CONFIG_KEY = "stochastic_rounding"
+
+
+class UnsupportedDeepSpeed(RuntimeError):
+    pass
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse a DeepSpeed whose internals (copy sites, fragment mappings) were not tested."""
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    try:
+        parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3])
+    except ValueError:
+        parts = ()
+    low, high = TESTED
+    if not (len(parts) == 3 and low <= parts < high):
+        raise UnsupportedDeepSpeed(
+            f"dist_sr patches DeepSpeed's FP32->BF16 copy sites, tested with DeepSpeed "
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}; this is DeepSpeed {version}. "
+            "Install a tested version (pip install 'deepspeed>=0.19.8,<0.20'); dist_sr will not fall back to "
+            "round-to-nearest silently"
+        )
+
+
+@dataclass(frozen=True)
+class SRConfig:
+    enabled: bool = True
+    seed: int = 0
+    mode: str = "stochastic"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SRConfig":
+        unknown = sorted(set(data) - {"enabled", "seed", "mode"})
+        if unknown:
+            raise ValueError(f"{CONFIG_KEY}: unknown field(s) {unknown}; valid: enabled, seed, mode")
+        cfg = cls(**data)
+        if cfg.mode not in MODES:
+            raise ValueError(f"{CONFIG_KEY}.mode: unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}")
+        if not isinstance(cfg.seed, int) or cfg.seed < 0:
+            raise ValueError(f"{CONFIG_KEY}.seed must be a non-negative int, got {cfg.seed!r}")
+        return cfg
+
+
+def split_config(config: dict | str | Path) -> tuple[dict, SRConfig | None]:
+    """DeepSpeed config without our block, and the block (None if absent or disabled)."""
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    config = copy.deepcopy(config)
+    block = config.pop(CONFIG_KEY, None)
+    if block is None:
+        return config, None
+    sr = SRConfig.from_dict(block)
+    return config, (sr if sr.enabled else None)
+
+
+def initialize(*args: Any, config: dict | str | Path | None = None, **kwargs: Any):
+    """``deepspeed.initialize`` that reads the ``"stochastic_rounding"`` block of the config and
+    attaches SR to the engine; returns what ``deepspeed.initialize`` returns."""
+    import deepspeed
+
+    sr = None
+    if config is not None:
+        config, sr = split_config(config)
+    if sr is not None:
+        check_version()  # before any work is done
+    result = deepspeed.initialize(*args, config=config, **kwargs)
+    if sr is not None:
+        attach(result[0], seed=sr.seed, mode=sr.mode)
+    return result
+
+
+def attach(engine, *, seed: int, mode: str = "stochastic") -> "DeepSpeedSR":
+    """Make ``engine``'s FP32->BF16 copies keyed SR; call right after ``deepspeed.initialize``."""
+    check_version()
+    check_mode(mode)
+    if not engine.bfloat16_enabled():
+        raise ValueError("stochastic rounding needs BF16 working weights: enable \"bf16\" in the DeepSpeed config "
+                         "(FP16 weights keep round-to-nearest; SR into FP16 is not supported)")
+    sr = DeepSpeedSR(engine, seed, mode)
+    sr.install()
+    engine.dist_sr = sr  # the handle: engine.dist_sr.resync(), .step, .seed, .mode
+    return sr
+
+
+class DeepSpeedSR:
+    """The patched state of one engine: its optimizer's copy sites call ``round_local``."""
+
+    def __init__(self, engine, seed: int, mode: str):
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        self.engine, self.seed, self.mode = engine, seed, mode
+        self.optimizer = engine.optimizer
+        self.names = {id(p): normalize_param_name(n) for n, p in engine.module.named_parameters()}
+        self._in_step = False
+        opt = self.optimizer
+        if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+            self.kind = "zero3"
+        elif isinstance(opt, BF16_Optimizer):
+            self.kind = "bf16_optimizer"
+        elif isinstance(opt, DeepSpeedZeroOptimizer):
+            self.kind = "zero12"
+        else:
+            raise NotImplementedError(
+                f"dist_sr supports ZeRO stages 1-3 (and ZeRO-1 with grad_accum_dtype fp32); this engine's optimizer "
+                f"is {type(opt).__name__} (ZeRO stage {engine.zero_optimization_stage()}). Use "
+                "\"zero_optimization\": {\"stage\": 1} or higher"
+            )
+
+    # -- the key's step ------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The optimizer step whose result is being rounded (global_steps advances after it)."""
+        return self.engine.global_steps + (1 if self._in_step else 0)
+
+    # -- rounding the local partition ----------------------------------------------------------
+
+    def _lp_groups(self):
+        return self.optimizer.bit16_groups if self.kind == "zero12" else self.optimizer.bf16_groups
+
+    @torch.no_grad()
+    def round_local(self) -> None:
+        """Overwrite this rank's BF16 partition with the keyed rounding of its FP32 master."""
+        jobs = []
+        if self.kind == "zero3":
+            for sub_group_id in range(len(self.optimizer.fp16_groups)):
+                jobs.extend(self._zero3_jobs(sub_group_id))
+        else:
+            for group in self._lp_groups():
+                for p in group:
+                    mapping = getattr(p, "_hp_mapping", None)
+                    if mapping is None:
+                        continue
+                    jobs.append(RoundingJob(self.names[id(p)], mapping.hp_fragment.data,
+                                            mapping.lp_fragment.data, mapping.lp_fragment_address.start))
+        round_jobs(jobs, seed=self.seed, step=self.step, mode=self.mode)
+
+    def _zero3_jobs(self, sub_group_id: int) -> list[RoundingJob]:
+        import deepspeed.comm as ds_dist
+
+        opt = self.optimizer
+        fp32_flat = opt.fp32_partitioned_groups_flat[sub_group_id]
+        rank = ds_dist.get_rank(group=opt.sub_group_process_groups[sub_group_id])
+        jobs, offset = [], 0
+        for param, part in zip(opt.fp16_groups[sub_group_id], opt.fp16_partitioned_groups[sub_group_id]):
+            n = part.ds_numel
+            if n:
+                src = fp32_flat.data.narrow(0, offset, n)
+                jobs.append(RoundingJob(self.names[id(param)], src, part.data.view(-1)[:n], rank * n))
+            offset += n
+        return jobs
+
+    # -- patches -------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        opt, engine = self.optimizer, self.engine
+        original_step = opt.step
+
+        def step(*args, **kwargs):
+            self._in_step = True
+            try:
+                return original_step(*args, **kwargs)
+            finally:
+                self._in_step = False
+
+        opt.step = step
+        if self.kind == "zero3":
+            original = opt._reassign_or_swap_out_partitioned_parameters
+
+            def reassign(sub_group_id):
+                original(sub_group_id)  # the RTN copy and the re-pointing of ds_tensors
+                if opt.fp16_partitioned_groups_flat[sub_group_id] is None:
+                    raise NotImplementedError("dist_sr: ZeRO-3 with NVMe parameter swapping is not supported")
+                round_jobs(self._zero3_jobs(sub_group_id), seed=self.seed, step=self.step, mode=self.mode)
+
+            opt._reassign_or_swap_out_partitioned_parameters = reassign
+        else:
+            _install_all_gather_hook(self)
+        original_load = engine.load_checkpoint
+
+        def load_checkpoint(*args, **kwargs):
+            result = original_load(*args, **kwargs)
+            self.resync()  # the loaders copy RTN: re-derive the keyed bits from the loaded master
+            return result
+
+        engine.load_checkpoint = load_checkpoint
+        self.resync()  # step-0 rounding of the initial master
+
+    @torch.no_grad()
+    def resync(self) -> None:
+        """Re-derive every BF16 weight from the FP32 master under the current key (collective)."""
+        if self.kind == "zero3":
+            # persistent (small) parameters stay gathered between steps: release their stale full
+            # copies (without writing them back), round the partitions, and gather them again,
+            # as DeepSpeed's own step does
+            persistent = self.optimizer.persistent_parameters
+            if persistent:
+                persistent[0].partition(persistent, has_been_updated=False)
+            self.round_local()
+            self.optimizer.checkpoint_event_epilogue()
+            return
+        opt = self.optimizer
+        groups_flat = self.groups_flat
+        partitions = opt.parallel_partitioned_bit16_groups if self.kind == "zero12" else opt.bf16_partitioned_groups
+        self.round_local()
+        _ORIGINAL_ALL_GATHER["fn"](groups_flat=groups_flat, partitioned_param_groups=partitions,
+                                   dp_process_group=opt.real_dp_process_group,
+                                   start_alignment_factor=opt.nccl_start_alignment_factor,
+                                   allgather_bucket_size=opt.allgather_bucket_size)
+        if self.kind == "zero12":
+            for i in range(len(opt.bit16_groups)):
+                opt._update_model_bit16_weights(i)
+
+    @property
+    def groups_flat(self):
+        return self.optimizer.bit16_groups_flat if self.kind == "zero12" else self.optimizer.bf16_groups_flat
+
+
+# ZeRO-1/2 and BF16_Optimizer copy the partition and then call all_gather_dp_groups(groups_flat=...):
+# the hook rounds the local partition of the engine that owns ``groups_flat`` right before the gather.
+_ENGINES_BY_GROUPS: dict[int, "weakref.ref[DeepSpeedSR]"] = {}
+_ORIGINAL_ALL_GATHER: dict[str, Any] = {}
+
+
+def _install_all_gather_hook(sr: DeepSpeedSR) -> None:
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if "fn" not in _ORIGINAL_ALL_GATHER:
+        original = stage_1_and_2.all_gather_dp_groups
+        if bf16_optimizer.all_gather_dp_groups is not original:
+            raise UnsupportedDeepSpeed("DeepSpeed's all_gather_dp_groups is already patched by someone else")
+        _ORIGINAL_ALL_GATHER["fn"] = original
+
+        def all_gather_dp_groups(*args, **kwargs):
+            groups_flat = kwargs.get("groups_flat", args[0] if args else None)
+            ref = _ENGINES_BY_GROUPS.get(id(groups_flat))
+            owner = ref() if ref is not None else None
+            if owner is not None and owner.groups_flat is groups_flat:
+                owner.round_local()
+            return original(*args, **kwargs)
+
+        stage_1_and_2.all_gather_dp_groups = all_gather_dp_groups
+        bf16_optimizer.all_gather_dp_groups = all_gather_dp_groups
+    _ENGINES_BY_GROUPS[id(sr.groups_flat)] = weakref.ref(sr)
