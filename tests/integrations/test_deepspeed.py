@@ -134,6 +134,32 @@ def test_checkpoint_reload_re_derives_identical_bits(layout, tmp_path):
     run_workers(_load_worker, 2, layout, tmp_path)
 
 
+def _load_universal_worker(rank, world_size, layout, path):
+    from dist_sr.integrations import deepspeed as dsr
+
+    model = tiny_qwen2()
+    config = ds_config(layout) | {"checkpoint": {"load_universal": True}}
+    engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.load_checkpoint(str(path / "universal"), tag="ckpt_universal")
+    assert engine.global_steps == STEPS
+    assert assert_keyed(engine) == json.loads((path / "digests.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,load_world", [("zero2", 1), ("zero2", 4), ("zero1-bf16-optimizer", 4)])
+def test_universal_checkpoint_reloads_at_another_world_size_with_identical_bits(layout, load_world, tmp_path):
+    import subprocess
+    import sys
+
+    run_workers(_save_worker, 2, layout, tmp_path)
+    (tmp_path / "universal").mkdir()
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(tmp_path / "ckpt"), "--output_folder", str(tmp_path / "universal" / "ckpt_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True)
+    (tmp_path / "universal" / "latest_universal").write_text("ckpt_universal")
+    run_workers(_load_universal_worker, load_world, layout, tmp_path)
+
+
 def _corruption_worker(rank, world_size):
     from dist_sr import ReplicaDivergenceError, check_replicas
 
