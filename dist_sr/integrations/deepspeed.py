@@ -29,6 +29,7 @@ with ``dist_sr.integrations.deepspeed.initialize`` as a drop-in for ``deepspeed.
 from __future__ import annotations
 
 import copy
+import math
 import json
 import weakref
 from dataclasses import dataclass
@@ -291,3 +292,34 @@ def _install_all_gather_hook(sr: DeepSpeedSR) -> None:
         stage_1_and_2.all_gather_dp_groups = all_gather_dp_groups
         bf16_optimizer.all_gather_dp_groups = all_gather_dp_groups
     _ENGINES_BY_GROUPS[id(sr.groups_flat)] = weakref.ref(sr)
+
+
+def config_for_precision(precision, base: dict | str | Path) -> dict:
+    """A DeepSpeed config whose ``bf16``/``fp16`` sections and SR block follow the precision switch.
+
+    ``precision`` is a ``PrecisionConfig`` (or its string / mapping form); ``base`` is the rest of
+    the DeepSpeed config (dict or JSON path). fp32 -> neither; fp16 -> ``fp16`` with dynamic loss
+    scaling; bf16 -> ``bf16`` with round-to-nearest; bf16-sr / bf16-dither -> ``bf16`` plus the SR
+    block. bf16-pure-sr has no FP32 master, which DeepSpeed always keeps: refused.
+    """
+    from ..precision import PrecisionConfig, PrecisionConfigError
+
+    if not isinstance(precision, PrecisionConfig):
+        precision = PrecisionConfig.from_dict(precision)
+    config, _ = split_config(base)
+    config.pop("bf16", None)
+    config.pop("fp16", None)
+    p = precision.precision
+    if p == "bf16-pure-sr":
+        raise PrecisionConfigError("precision bf16-pure-sr keeps no FP32 master, but DeepSpeed ZeRO always does; "
+                                   "use bf16-sr with DeepSpeed (or the single-process AdamWSR)")
+    if p == "fp16":
+        dynamic = precision.loss_scale == "dynamic"
+        config["fp16"] = {"enabled": True, "loss_scale": 0 if dynamic else float(precision.loss_scale),
+                          "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
+                          "loss_scale_window": precision.loss_scale_window}
+    elif p.startswith("bf16"):
+        config["bf16"] = {"enabled": True}
+        if precision.rounding in ("stochastic", "dither"):
+            config[CONFIG_KEY] = {"enabled": True, "seed": precision.seed, "mode": precision.rounding}
+    return config

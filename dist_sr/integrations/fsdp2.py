@@ -225,3 +225,57 @@ def full_master(model: nn.Module) -> dict[str, torch.Tensor]:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t._data if isinstance(t, SRShadowParam) else t
+
+
+@dataclass
+class FSDP2Config:
+    """How to shard a model with FSDP2 under the precision switch (see configs/fsdp2-sr.yaml)."""
+
+    shard_modules: list[str] = field(default_factory=lambda: ["Qwen2DecoderLayer", "LlamaDecoderLayer"])
+    reshard_after_forward: bool = True
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "FSDP2Config":
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"shard_modules", "reshard_after_forward"})
+        if unknown:
+            raise ValueError(f"fsdp2: unknown field(s) {unknown}; valid: reshard_after_forward, shard_modules")
+        return cls(**data)
+
+
+def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None = None) -> SRContext | None:
+    """``fully_shard`` every module whose class name is in ``config.shard_modules``, then the root,
+    with the behaviour the precision switch selects. Returns the ``SRContext`` (track your
+    optimizer with it) for the BF16 precisions, else None.
+
+    fp32: plain FSDP2. fp16: FP16 all-gather (round-to-nearest), FP32 reduction. bf16 /
+    bf16-sr / bf16-dither: FP32 sharded masters, BF16 all-gather rounded by the key (``nearest``,
+    ``stochastic``, ``dither``), FP32 reduction. bf16-pure-sr: refused (FSDP2 shards a master).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..precision import PrecisionConfig, PrecisionConfigError
+
+    if not isinstance(precision, PrecisionConfig):
+        precision = PrecisionConfig.from_dict(precision)
+    if not isinstance(config, FSDP2Config):
+        config = FSDP2Config.from_dict(config)
+    p = precision.precision
+    ctx = None
+    if p == "bf16-pure-sr":
+        raise PrecisionConfigError("precision bf16-pure-sr keeps no FP32 master; with FSDP2 use bf16-sr")
+    if p == "fp32":
+        policy = MixedPrecisionPolicy()
+    elif p == "fp16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    else:
+        ctx = prepare(model, seed=precision.seed, mode=precision.rounding, backend=precision.backend)
+        policy = MIXED_PRECISION
+    blocks = [m for m in model.modules() if type(m).__name__ in config.shard_modules]
+    if not blocks:
+        raise ValueError(f"fsdp2.shard_modules {config.shard_modules} match no module of {type(model).__name__}; "
+                         "name its transformer block class")
+    for block in blocks:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    return ctx

@@ -228,3 +228,47 @@ def test_config_file_path_is_accepted(tmp_path):
     path.write_text(json.dumps(ds_config("zero3")))
     config, sr = split_config(path)
     assert config["zero_optimization"]["stage"] == 3 and sr.seed == SEED
+
+
+@pytest.mark.parametrize("precision,expect", [
+    ("fp32", (None, None, None)),
+    ("fp16", (None, True, None)),
+    ("bf16", (True, None, None)),
+    ({"precision": "bf16-sr", "seed": 9}, (True, None, {"enabled": True, "seed": 9, "mode": "stochastic"})),
+    ("bf16-dither", (True, None, {"enabled": True, "seed": 0, "mode": "dither"})),
+])
+def test_precision_switch_selects_the_deepspeed_behaviour(precision, expect):
+    from dist_sr.integrations.deepspeed import config_for_precision
+
+    config = config_for_precision(precision, ds_config("zero2"))
+    got = (config.get("bf16", {}).get("enabled"), config.get("fp16", {}).get("enabled"), config.get("stochastic_rounding"))
+    assert got == expect
+
+
+def test_pure_bf16_precision_is_refused_for_deepspeed():
+    from dist_sr import PrecisionConfigError
+    from dist_sr.integrations.deepspeed import config_for_precision
+
+    with pytest.raises(PrecisionConfigError, match="keeps no FP32 master"):
+        config_for_precision("bf16-pure-sr", ds_config("zero2"))
+
+
+REPO_CONFIGS = sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "deepspeed").glob("*.json"))
+
+
+def _repo_config_worker(rank, world_size, path):
+    from dist_sr.integrations import deepspeed as dsr
+
+    model = tiny_qwen2()
+    engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=str(path))
+    assert engine.dist_sr.mode == "stochastic"
+    ids = torch.randint(0, 3, (engine.train_micro_batch_size_per_gpu(), 9), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert_keyed(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", REPO_CONFIGS, ids=lambda p: p.stem)
+def test_repo_deepspeed_configs_train_with_keyed_sr(path):
+    run_workers(_repo_config_worker, 2, path)

@@ -169,3 +169,39 @@ def _load_worker(rank, world_size, path):
 def test_dcp_checkpoint_reloads_at_another_world_size_with_identical_bits(load_world, tmp_path):
     run_workers(_save_worker, 2, tmp_path)
     run_workers(_load_worker, load_world, tmp_path)
+
+
+def _switch_worker(rank, world_size, precision):
+    import yaml
+
+    from dist_sr.integrations import fsdp2
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((root / "configs" / "fsdp2-sr.yaml").read_text())
+    model = tiny_qwen2()
+    ctx = fsdp2.apply_fsdp2(model, precision, doc["fsdp2"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ctx.track(opt)
+    train(model, opt, 2)
+    full = fsdp2.full_master(model)
+    for name, w in capture_working(model).items():
+        if precision == "bf16":
+            expected = full[name].to(torch.bfloat16)  # round-to-nearest, as a plain BF16 FSDP2 cast
+        else:
+            expected = stochastic_round(full[name], seed=ctx.seed, step=2, param=name, mode=ctx.mode)
+        assert torch.equal(w.view(torch.int16), expected.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-dither", {"precision": "bf16-sr", "seed": 1234}])
+def test_precision_switch_selects_the_fsdp2_behaviour(precision):
+    run_workers(_switch_worker, 2, precision)
+
+
+def test_fsdp2_config_errors():
+    from dist_sr import PrecisionConfigError
+    from dist_sr.integrations import fsdp2
+
+    with pytest.raises(PrecisionConfigError, match="keeps no FP32 master"):
+        fsdp2.apply_fsdp2(tiny_qwen2(), "bf16-pure-sr")
+    with pytest.raises(ValueError, match="unknown field"):
+        fsdp2.FSDP2Config.from_dict({"shard": ["x"]})
