@@ -50,13 +50,22 @@ class SRContext:
     backend: str = "auto"
     gathers: list[tuple[str, int, int, str]] = field(default_factory=list)  # (name, step, offset, digest)
     record_gathers: bool = False
+    # The backward re-gather of a step reuses the forward's rounded shard instead of rounding again
+    # (the bits are the same by construction); costs one BF16 copy of each local shard.
+    cache_rounded: bool = True
+    version: int = 0  # bumped whenever the masters may have changed: invalidates cached shards
 
     def track(self, optimizer: torch.optim.Optimizer):
         """Advance the key's step after every ``optimizer.step()``; returns the hook handle."""
         def advance(*_: Any) -> None:
             self.step += 1
+            self.version += 1
 
         return optimizer.register_step_post_hook(advance)
+
+    def masters_changed(self) -> None:
+        """Call after writing the FP32 masters outside an optimizer step (e.g. loading weights)."""
+        self.version += 1
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "mode": self.mode, "step": self.step}
@@ -67,6 +76,7 @@ class SRContext:
                 raise ValueError(f"checkpoint has {field_name}={state[field_name]!r}, this run "
                                  f"{getattr(self, field_name)!r}; prepare() with the checkpoint's value to resume")
         self.step = int(state["step"])
+        self.version += 1
 
 
 # ops whose tensor outputs stay SR shadows: the views and the padded copy FSDP2 makes of the
@@ -131,6 +141,15 @@ class SRShadowParam(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """The BF16 all-gather input: this rank's (padded) shard, rounded with global indices."""
+        ctx = self._ctx
+        cached = getattr(self, "_rounded", None)
+        if ctx.cache_rounded and cached is not None and cached[0] == (ctx.step, ctx.version):
+            bf16 = cached[1]
+            if ctx.record_gathers:
+                from ..replica import tensor_digest
+
+                ctx.gathers.append((self._name, ctx.step, cached[2], tensor_digest(bf16)))
+            return (bf16,), None
         local = self._data
         world, rank = mesh.size(), mesh.get_local_rank()
         offset, row_stride, padded = shard_layout(tuple(orig_size), tuple(local.shape), world, rank)
@@ -138,9 +157,10 @@ class SRShadowParam(torch.Tensor):
             full = local.new_zeros(padded)
             full[tuple(slice(0, n) for n in local.shape)] = local
             local = full
-        ctx = self._ctx
         bf16 = stochastic_round(local, seed=ctx.seed, step=ctx.step, param=self._name, offset=offset,
                                 mode=ctx.mode, row_stride=row_stride, backend=ctx.backend)
+        if ctx.cache_rounded:
+            self._rounded = ((ctx.step, ctx.version), bf16, offset)
         if ctx.record_gathers:
             from ..replica import tensor_digest
 

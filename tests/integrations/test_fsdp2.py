@@ -97,6 +97,7 @@ def _bits_worker(rank, world_size, out_dir):
     model, ctx, opt = build(world_size)
     check_offsets_against_dtensor(model, world_size)
     ctx.record_gathers = True
+    ctx.cache_rounded = False  # every gather rounds afresh: the backward re-gather must reproduce the bits
     grads = train(model, opt, STEPS)
     full = fsdp2.full_master(model)
     working = capture_working(model)
