@@ -2,6 +2,7 @@
 
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 
@@ -27,6 +28,12 @@ def _entry(rank, world_size, port, fn, args, errors):
         raise
     finally:
         dist.destroy_process_group()
+    # Skip interpreter finalisation: destroying rank 0's TCP store server while a peer's
+    # connection is still closing aborts the process ("terminate called without an active
+    # exception") even though the work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(fn, world_size: int, *args) -> None:

@@ -3,6 +3,8 @@
 DeepSpeed has no extension point for that copy, so this module patches the copy sites of the
 DeepSpeed versions it was tested with (``TESTED``), and refuses any other version at attach time:
 
+- ZeRO-0 (``FP16_UnfusedOptimizer``, no partitioning): after its per-parameter copy, every
+  BF16 parameter is overwritten with the keyed rounding of its full FP32 master.
 - ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ZeRO-1 with ``grad_accum_dtype: fp32``
   (``BF16_Optimizer``): after the RTN copy of the local partition and before the all-gather of
   the BF16 partitions, every parameter fragment in the local partition is overwritten with
@@ -134,6 +136,7 @@ class DeepSpeedSR:
 
     def __init__(self, engine, seed: int, mode: str):
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -148,9 +151,11 @@ class DeepSpeedSR:
             self.kind = "bf16_optimizer"
         elif isinstance(opt, DeepSpeedZeroOptimizer):
             self.kind = "zero12"
+        elif isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
+            self.kind = "stage0"  # no partitioning: every rank rounds its full masters after the copy
         else:
             raise NotImplementedError(
-                f"dist_sr supports ZeRO stages 1-3 (and ZeRO-1 with grad_accum_dtype fp32); this engine's optimizer "
+                f"dist_sr supports ZeRO stages 0-3 (stage 0 through FP16_UnfusedOptimizer); this engine's optimizer "
                 f"is {type(opt).__name__} (ZeRO stage {engine.zero_optimization_stage()}). Use "
                 "\"zero_optimization\": {\"stage\": 1} or higher"
             )
@@ -171,7 +176,11 @@ class DeepSpeedSR:
     def round_local(self) -> None:
         """Overwrite this rank's BF16 partition with the keyed rounding of its FP32 master."""
         jobs = []
-        if self.kind == "zero3":
+        if self.kind == "stage0":
+            opt = self.optimizer
+            for fp32_group, lp_group in zip(opt.fp32_groups, opt.fp16_groups):
+                jobs.extend(RoundingJob(self.names[id(lp)], hp.data, lp.data) for hp, lp in zip(fp32_group, lp_group))
+        elif self.kind == "zero3":
             for sub_group_id in range(len(self.optimizer.fp16_groups)):
                 jobs.extend(self._zero3_jobs(sub_group_id))
         else:
@@ -208,7 +217,10 @@ class DeepSpeedSR:
         def step(*args, **kwargs):
             self._in_step = True
             try:
-                return original_step(*args, **kwargs)
+                result = original_step(*args, **kwargs)
+                if self.kind == "stage0" and not opt.overflow:
+                    self.round_local()  # the unfused optimizer copied RTN; nothing gathers after it
+                return result
             finally:
                 self._in_step = False
 
@@ -223,7 +235,7 @@ class DeepSpeedSR:
                 round_jobs(self._zero3_jobs(sub_group_id), seed=self.seed, step=self.step, mode=self.mode)
 
             opt._reassign_or_swap_out_partitioned_parameters = reassign
-        else:
+        elif self.kind != "stage0":
             _install_all_gather_hook(self)
         original_load = engine.load_checkpoint
 
@@ -238,6 +250,9 @@ class DeepSpeedSR:
     @torch.no_grad()
     def resync(self) -> None:
         """Re-derive every BF16 weight from the FP32 master under the current key (collective)."""
+        if self.kind == "stage0":
+            self.round_local()
+            return
         if self.kind == "zero3":
             # persistent (small) parameters stay gathered between steps: release their stale full
             # copies (without writing them back), round the partitions, and gather them again,
