@@ -21,6 +21,7 @@ LAYOUTS = {
     "zero1": {"zero_optimization": {"stage": 1}},
     "zero1-bf16-optimizer": {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
     "zero2": {"zero_optimization": {"stage": 2}},
+    "zero1-cpu-offload": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
     "zero2-cpu-offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
     "zero3": {"zero_optimization": {"stage": 3}},
 }
@@ -63,7 +64,12 @@ def working_and_master(engine):
     from deepspeed.utils import safe_get_full_fp32_param
 
     params = list(engine.module.named_parameters())
-    masters = {n: safe_get_full_fp32_param(p).view(getattr(p, "ds_shape", p.shape)).clone() for n, p in params}
+    if engine.zero_optimization_stage() == 0:  # unpartitioned: the optimizer holds full FP32 copies
+        opt = engine.optimizer
+        hp_of = {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lps, hps)}
+        masters = {n: hp_of[id(p)].detach().clone() for n, p in params}
+    else:
+        masters = {n: safe_get_full_fp32_param(p).view(getattr(p, "ds_shape", p.shape)).clone() for n, p in params}
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             working = {n: p.data.clone() for n, p in params}
@@ -129,7 +135,7 @@ def _load_worker(rank, world_size, layout, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["zero0", "zero1-bf16-optimizer", "zero2", "zero3"])
+@pytest.mark.parametrize("layout", ["zero0", "zero1", "zero1-bf16-optimizer", "zero2", "zero2-cpu-offload", "zero3"])
 def test_checkpoint_reload_re_derives_identical_bits(layout, tmp_path):
     run_workers(_save_worker, 2, layout, tmp_path)
     run_workers(_load_worker, 2, layout, tmp_path)
