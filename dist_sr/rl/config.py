@@ -111,6 +111,22 @@ class RolloutConfig:
 
 
 @dataclass
+class DistributedConfig:
+    engine: str = "single"                # single | deepspeed | fsdp2 (the latter two under torchrun/deepspeed)
+    deepspeed_config: str | None = None   # base DeepSpeed JSON; bf16/fp16 and the SR block follow `precision`
+    zero_stage: int = 2                   # when no deepspeed_config is given
+    fsdp2: dict = field(default_factory=dict)  # FSDP2Config fields: shard_modules, reshard_after_forward
+
+    def __post_init__(self):
+        if self.engine not in ("single", "deepspeed", "fsdp2"):
+            raise ConfigError(f"distributed.engine: unknown engine {self.engine!r}; choose one of single, deepspeed, fsdp2")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"distributed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.deepspeed_config and not Path(self.deepspeed_config).exists():
+            raise ConfigError(f"distributed.deepspeed_config: {self.deepspeed_config} does not exist")
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -118,6 +134,7 @@ class ExperimentConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     seed: int = 0                     # RL sampling seed
     shadow_jitter: bool = False       # control run: move FP32 shadows off the BF16 grid at start
@@ -128,6 +145,11 @@ class ExperimentConfig:
     def __post_init__(self):
         if self.shadow_jitter and self.precision.precision not in ("bf16", "bf16-sr", "bf16-dither", "fp16"):
             raise ConfigError("shadow_jitter needs FP32 shadows: precision fp16, bf16, bf16-sr or bf16-dither")
+        if self.shadow_jitter and self.distributed.engine != "single":
+            raise ConfigError("shadow_jitter is a single-process control run; use distributed.engine=single")
+        if self.precision.precision == "bf16-pure-sr" and self.distributed.engine != "single":
+            raise ConfigError("precision bf16-pure-sr keeps no FP32 master, which DeepSpeed and FSDP2 shard; "
+                              "use bf16-sr, or distributed.engine=single")
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

@@ -18,7 +18,8 @@ def fixed_examples(task: Task, n: int, seed: int) -> list[Example]:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task: Task, examples: list[Example], *, seed: int, max_new_tokens: int,
-             temperature: float = 1.0, ref_model=None, batch_size: int = 512) -> dict[str, float]:
+             temperature: float = 1.0, ref_model=None, batch_size: int = 512,
+             stop_early: bool = True) -> dict[str, float]:
     """Sampled accuracy (and exact KL to ``ref_model`` at the answer positions) on ``examples``.
 
     The sampling noise comes from a generator seeded with ``seed``: every evaluation of every run
@@ -33,7 +34,8 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], *, seed: int
             chunk = examples[start:start + batch_size]
             ids, mask = encode_prompts(tokenizer, [e.prompt for e in chunk])
             comp, comp_mask = sample(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     generator=generator, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+                                     generator=generator, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                     stop_early=stop_early)
             texts = tokenizer.batch_decode(comp * comp_mask + tokenizer.pad_token_id * (1 - comp_mask),
                                            skip_special_tokens=True)
             correct += sum(task.reward(t, e.answer) for t, e in zip(texts, chunk))
@@ -45,7 +47,7 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], *, seed: int
                 kl_n += n_tok
     finally:
         model.train(was_training)
-    out = {"accuracy": correct / len(examples)}
+    out = {"accuracy": correct / len(examples), "correct": correct, "n": len(examples)}
     if ref_model is not None:
-        out["kl"] = kl_sum / max(kl_n, 1)
+        out.update(kl=kl_sum / max(kl_n, 1), kl_sum=kl_sum, kl_tokens=kl_n)
     return out

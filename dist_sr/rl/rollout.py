@@ -63,9 +63,12 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           temperature: float, generator: torch.Generator, eos_id: int, pad_id: int):
+           temperature: float, generator: torch.Generator, eos_id: int, pad_id: int, stop_early: bool = True):
     """Sample completions with a KV cache; Gumbel-max with noise from ``generator``, so a fixed
-    generator seed gives the same noise (and, for the same weights, the same completions)."""
+    generator seed gives the same noise (and, for the same weights, the same completions).
+
+    ``stop_early=False`` always runs ``max_new_tokens`` forwards: sharded models (FSDP2, ZeRO-3)
+    gather weights inside forward, so every rank must make the same number of calls."""
     n = prompt_ids.shape[0]
     done = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)
     out_ids, out_mask = [], []
@@ -84,7 +87,7 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         done |= token == eos_id
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         step_ids, pos = token[:, None], pos[:, -1:] + 1
-        if bool(done.all()):
+        if stop_early and bool(done.all()):
             break
     return torch.stack(out_ids, 1), torch.stack(out_mask, 1)
 
@@ -96,15 +99,17 @@ class EmbeddedEngine:
     digest each batch carries is computed from those weights at generation time.
     """
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, *, digest_fn=None, stop_early: bool = True):
         self.model, self.tokenizer = model, tokenizer
+        self.digest_fn, self.stop_early = digest_fn, stop_early
         self.version = 0
 
     def sync_weights(self, version: int) -> None:
         self.version = version  # same module as the trainer: nothing to copy
 
     def weight_digest(self) -> str:
-        return combined_digest(weight_digests(self.model))
+        """Digest of the weights generation uses (for sharded models, ``digest_fn`` gathers them)."""
+        return self.digest_fn() if self.digest_fn else combined_digest(weight_digests(self.model))
 
     def generate(self, prompts, *, samples_per_prompt, max_new_tokens, temperature, generator, with_digest=False):
         ids, mask = encode_prompts(self.tokenizer, prompts)
@@ -115,7 +120,7 @@ class EmbeddedEngine:
         try:
             comp, comp_mask = sample(self.model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
                                      generator=generator, eos_id=self.tokenizer.eos_token_id,
-                                     pad_id=self.tokenizer.pad_token_id)
+                                     pad_id=self.tokenizer.pad_token_id, stop_early=self.stop_early)
         finally:
             self.model.train(was_training)
         texts = self.tokenizer.batch_decode(comp * comp_mask + self.tokenizer.pad_token_id * (1 - comp_mask),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -20,17 +19,17 @@ import torch
 import yaml
 from tqdm import tqdm
 
+import torch.distributed as dist
+
 from ..optim import ShadowOptimizer
-from ..precision import apply_precision
 from .config import ExperimentConfig, to_dict
 from .evaluation import evaluate, fixed_examples
 from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
 from .model import load_pretrained
+from .parallel import init_distributed
+from .parallel import make_engine as make_training_engine
 from .rollout import EmbeddedEngine, RolloutEngine
 from .warmup import make_task, warmup_checkpoint
-
-CHECKPOINT = "checkpoint.pt"
-
 
 class RolloutWeightMismatch(RuntimeError):
     pass
@@ -89,99 +88,119 @@ def jitter_shadows_(optimizer: ShadowOptimizer, seed: int) -> None:
         optimizer._write_working()
 
 
-def save_checkpoint(out_dir: Path, step: int, model, precision) -> None:
-    """Write the checkpoint atomically: a crash leaves the previous one intact."""
-    tmp = out_dir / (CHECKPOINT + ".tmp")
-    torch.save({"step": step, "model": model.state_dict(), "precision": precision.state_dict()}, tmp)
-    os.replace(tmp, out_dir / CHECKPOINT)
+def _all_mean(values: list[float], world: int) -> list[float]:
+    """Means over ranks (identity in one process)."""
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
+def _all_sum(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False, stop_at: int | None = None,
           make_engine: Callable[[Any, Any], RolloutEngine] | None = None) -> Path:
     """Run GRPO for ``cfg``; returns the metrics file.
 
-    ``resume`` continues from ``output_dir/checkpoint.pt``; ``stop_at`` ends early (with a
+    Runs in one process or, with ``distributed.engine`` deepspeed/fsdp2, on every rank of a
+    launcher's process group (each rank samples ``prompts_per_step / world`` prompts; rank 0
+    writes metrics). ``resume`` continues from the run's checkpoint; ``stop_at`` ends early (with a
     checkpoint); ``make_engine(model, tokenizer)`` replaces the configured rollout engine.
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    init_distributed(cfg.distributed.engine)
+    sharded = cfg.distributed.engine != "single"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if rank == 0:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     task = make_task(cfg)
-    model_path = cfg.model.path or warmup_checkpoint(cfg, progress=progress)
+    if cfg.model.path is None and rank == 0:
+        warmup_checkpoint(cfg, progress=progress)  # rank 0 trains it; the others then read the cache
+    if world > 1:
+        dist.barrier()
+    model_path = cfg.model.path or warmup_checkpoint(cfg, progress=False)
     model, tokenizer = load_pretrained(model_path)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # FP32 copy of the start weights
-    g = cfg.grpo
-    precision = apply_precision(model, cfg.precision, torch.optim.AdamW, lr=g.lr, betas=g.betas, eps=g.eps,
-                                weight_decay=g.weight_decay)
+    trainer = make_training_engine(cfg, model)
     if cfg.shadow_jitter:
-        jitter_shadows_(precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
-
-    meter = precision.sticking_meter()  # measures from the run's start, also across a resume
-    start = 0
-    ckpt = out_dir / CHECKPOINT
-    if resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        precision.load_state_dict(state["precision"])  # re-derives the working weights
-        saved = state["model"]
-        if any(not torch.equal(saved[k], v) for k, v in model.state_dict().items()):
-            raise RuntimeError(f"{ckpt}: working weights re-derived from the shadows differ from the saved ones")
-        start = state["step"]
-        meter.sync_previous()
-    writer = MetricsWriter(out_dir, keep_until_step=start if resume else None)
-    engine = (make_engine or EmbeddedEngine)(model, tokenizer)
+        jitter_shadows_(trainer.precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
+    start = (trainer.load(out_dir) or 0) if resume else 0
+    g = cfg.grpo
+    rollout = (make_engine or (lambda m, t: EmbeddedEngine(m, t, digest_fn=trainer.digest, stop_early=not sharded)))(
+        trainer.module, tokenizer)
+    writer = MetricsWriter(out_dir, keep_until_step=start if resume else None) if rank == 0 else None
     eval_set = fixed_examples(task, cfg.eval.num_prompts, cfg.eval.seed)
+    per_rank = len(eval_set) // world
+    eval_slice = eval_set[rank * per_rank:(rank + 1) * per_rank]  # equal slices: equal forward calls
+
+    def stream(name: str) -> str:
+        return name if world == 1 else f"{name}/{rank}"
 
     def run_eval() -> dict:
-        ev = evaluate(model, tokenizer, task, eval_set, seed=cfg.eval.seed, max_new_tokens=g.max_new_tokens,
-                      temperature=g.temperature, ref_model=ref_model)
-        return {"eval_accuracy": ev["accuracy"], "eval_kl": ev["kl"]}
+        ev = evaluate(trainer.module, tokenizer, task, eval_slice, seed=cfg.eval.seed + rank,
+                      max_new_tokens=g.max_new_tokens, temperature=g.temperature, ref_model=ref_model,
+                      stop_early=not sharded)
+        correct, n, kl_sum, kl_tokens = _all_sum([ev["correct"], ev["n"], ev["kl_sum"], ev["kl_tokens"]], world)
+        return {"eval_accuracy": correct / n, "eval_kl": kl_sum / max(kl_tokens, 1)}
+
+    def write(record: dict) -> None:
+        if writer is not None:
+            writer.write(record)
 
     if start == 0:
-        writer.write({"step": 0, **run_eval()})
+        write({"step": 0, **run_eval()})
     last = g.steps if stop_at is None else min(stop_at, g.steps)
-    bar = tqdm(range(start + 1, last + 1), desc=f"GRPO {cfg.precision.precision}", disable=not progress,
+    bar = tqdm(range(start + 1, last + 1), desc=f"GRPO {cfg.precision.precision}", disable=not progress or rank != 0,
                initial=start, total=g.steps)
-    record: dict = {}
     for step in bar:
         t0 = time.perf_counter()
-        rng = random.Random(step_seed(cfg.seed, step, "prompts"))
-        examples = [task.sample(rng) for _ in range(g.prompts_per_step)]
+        rng = random.Random(step_seed(cfg.seed, step, stream("prompts")))
+        examples = [task.sample(rng) for _ in range(g.prompts_per_step // world)]
         verify = cfg.rollout.verify_every > 0 and step % cfg.rollout.verify_every == 0
-        engine.sync_weights(step - 1)
-        ro = engine.generate([e.prompt for e in examples], samples_per_prompt=g.samples_per_prompt,
-                             max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                             generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, "sample")),
-                             with_digest=verify)
+        rollout.sync_weights(step - 1)
+        ro = rollout.generate([e.prompt for e in examples], samples_per_prompt=g.samples_per_prompt,
+                              max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                              generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, stream("sample"))),
+                              with_digest=verify)
         answers = [e.answer for e in examples for _ in range(g.samples_per_prompt)]
         rewards = torch.tensor([task.reward(t, a) for t, a in zip(ro.texts, answers)])
-        if verify and ro.weight_digest != precision.digest():
-            raise RolloutWeightMismatch(f"step {step}: rollouts were generated with weights {ro.weight_digest}, "
-                                        f"but the trainer holds {precision.digest()}")
-        logits = sequence_logits(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        if verify:
+            trainer_digest = trainer.digest()
+            if ro.weight_digest != trainer_digest:
+                raise RolloutWeightMismatch(f"step {step}: rollouts were generated with weights {ro.weight_digest}, "
+                                            f"but the trainer holds {trainer_digest}")
+        logits = sequence_logits(trainer.module, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
         logp = token_logprobs(logits, ro.completion_ids)
         with torch.no_grad():
             ref_logp = token_logprobs(sequence_logits(ref_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                                       ro.completion_mask), ro.completion_ids)
         loss, stats = grpo_loss(logp, logp.detach(), group_advantages(rewards, g.samples_per_prompt),
                                 ro.completion_mask, clip_eps=g.clip_eps, ref_logp=ref_logp, kl_coef=g.kl_coef)
-        precision.zero_grad()
-        precision.backward(loss)
-        grad_norm = precision.clip_grad_norm_(g.max_grad_norm)
-        stepped = precision.step()
-        record = {"step": step, "reward": rewards.mean().item(), "loss": loss.item(),
-                  "grad_norm": float(grad_norm), "kl_k3": stats["kl_k3"], "weight_version": ro.weight_version,
-                  "skipped": not stepped, **meter.update()}
+        trainer.backward(loss)
+        grad_norm, stepped = trainer.step()
+        reward, loss_mean, kl_k3 = _all_mean([rewards.mean().item(), loss.item(), stats["kl_k3"]], world)
+        record = {"step": step, "reward": reward, "loss": loss_mean, "grad_norm": grad_norm, "kl_k3": kl_k3,
+                  "weight_version": ro.weight_version, "skipped": not stepped,
+                  **(trainer.meter.update() if trainer.meter is not None else {})}
         if step % cfg.eval.every == 0 or step == g.steps:
             record.update(run_eval())
         record["step_time"] = time.perf_counter() - t0
-        writer.write(record)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record.get('eval_accuracy', float('nan')):.3f}",
-                        kl=f"{record['kl_k3']:.2e}", changed=f"{record['changed_frac']:.3f}")
+        write(record)
+        bar.set_postfix(reward=f"{reward:.3f}", acc=f"{record.get('eval_accuracy', float('nan')):.3f}",
+                        kl=f"{kl_k3:.2e}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(out_dir, step, model, precision)
-    save_checkpoint(out_dir, last, model, precision)
-    writer.close()
-    return writer.path
+            trainer.save(out_dir, step)
+    trainer.save(out_dir, last)
+    if writer is not None:
+        writer.close()
+    return out_dir / "metrics.jsonl"

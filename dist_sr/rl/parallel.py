@@ -1,0 +1,193 @@
+"""Training engines behind one interface: one process, DeepSpeed ZeRO, or FSDP2.
+
+The trainer talks to an engine through ``module`` (forward and generation), ``backward``,
+``step`` (clip + optimizer step, returns the pre-clip gradient norm), ``digest`` (of the BF16
+working weights the forward uses; collective), ``meter`` (sticking metrics where the working
+weights are local), ``save``/``load`` and ``rank``/``world``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..optim import StickingMeter
+from ..precision import apply_precision
+from ..replica import combined_digest, tensor_digest, weight_digests
+from .config import ConfigError, ExperimentConfig
+
+ENGINES = ("single", "deepspeed", "fsdp2")
+
+
+def init_distributed(engine: str) -> None:
+    """Join the process group the launcher (torchrun / deepspeed) describes in the environment."""
+    if engine == "single" or dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:
+        raise ConfigError(f"distributed.engine={engine!r} needs a launcher (torchrun or deepspeed) that sets "
+                          "RANK/WORLD_SIZE/MASTER_ADDR; or use distributed.engine=single")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+class SingleEngine:
+    rank, world = 0, 1
+
+    def __init__(self, cfg: ExperimentConfig, model):
+        g = cfg.grpo
+        self.precision = apply_precision(model, cfg.precision, torch.optim.AdamW, lr=g.lr, betas=g.betas, eps=g.eps,
+                                         weight_decay=g.weight_decay)
+        self.module, self.max_grad_norm = model, g.max_grad_norm
+        self.meter = self.precision.sticking_meter()
+
+    def backward(self, loss):
+        self.precision.zero_grad()
+        self.precision.backward(loss)
+
+    def step(self) -> tuple[float, bool]:
+        norm = float(self.precision.clip_grad_norm_(self.max_grad_norm))
+        return norm, self.precision.step()
+
+    def digest(self) -> str:
+        return self.precision.digest()
+
+    def save(self, path: Path, step: int) -> None:
+        tmp = path / "checkpoint.pt.tmp"
+        torch.save({"step": step, "model": self.module.state_dict(), "precision": self.precision.state_dict()}, tmp)
+        os.replace(tmp, path / "checkpoint.pt")  # atomic: a crash leaves the previous checkpoint
+
+    def load(self, path: Path) -> int | None:
+        ckpt = path / "checkpoint.pt"
+        if not ckpt.exists():
+            return None
+        state = torch.load(ckpt, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.precision.load_state_dict(state["precision"])  # re-derives the working weights
+        if any(not torch.equal(state["model"][k], v) for k, v in self.module.state_dict().items()):
+            raise RuntimeError(f"{ckpt}: working weights re-derived from the shadows differ from the saved ones")
+        self.meter.sync_previous()
+        return int(state["step"])
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO; the precision switch sets its bf16/fp16 sections and the SR block."""
+
+    def __init__(self, cfg: ExperimentConfig, model):
+        from ..integrations import deepspeed as dsr
+
+        d, g = cfg.distributed, cfg.grpo
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        base = json.loads(Path(d.deepspeed_config).read_text()) if d.deepspeed_config else {
+            "zero_optimization": {"stage": d.zero_stage}, "steps_per_print": 10**9}
+        base.update({
+            "train_micro_batch_size_per_gpu": g.prompts_per_step // self.world * g.samples_per_prompt,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": g.max_grad_norm,
+            "optimizer": {"type": "AdamW", "params": {"lr": g.lr, "betas": list(g.betas), "eps": g.eps,
+                                                      "weight_decay": g.weight_decay, "torch_adam": True}},
+        })
+        base.pop("train_batch_size", None)
+        config = dsr.config_for_precision(cfg.precision, base)
+        self.engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.module = self.engine.module
+        self.zero3 = self.engine.zero_optimization_stage() == 3
+        self.meter = None if self.zero3 else StickingMeter([(n, p) for n, p in self.module.named_parameters()])
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self) -> tuple[float, bool]:
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan"), self.engine.skipped_steps == skipped
+
+    def digest(self) -> str:
+        if not self.zero3:
+            return combined_digest(weight_digests(self.module))
+        import deepspeed
+
+        params = list(self.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return combined_digest(weight_digests(params))
+
+    def save(self, path: Path, step: int) -> None:
+        self.engine.save_checkpoint(str(path / "deepspeed"), tag=f"step{step}", client_state={"dist_sr_step": step})
+
+    def load(self, path: Path) -> int | None:
+        if not (path / "deepspeed" / "latest").exists():
+            return None
+        _, client = self.engine.load_checkpoint(str(path / "deepspeed"))  # the tag DeepSpeed's 'latest' names
+        if self.meter is not None:
+            self.meter.sync_previous()
+        return int(client["dist_sr_step"])
+
+
+class FSDP2Engine:
+    """FSDP2 with the precision switch applied through ``apply_fsdp2`` (SR in the all-gather)."""
+
+    def __init__(self, cfg: ExperimentConfig, model):
+        from ..integrations import fsdp2
+
+        g = cfg.grpo
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ctx = fsdp2.apply_fsdp2(model, cfg.precision, cfg.distributed.fsdp2)
+        self.module, self.max_grad_norm = model, g.max_grad_norm
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=g.betas, eps=g.eps,
+                                           weight_decay=g.weight_decay, foreach=True)
+        if self.ctx is not None:
+            self.ctx.track(self.optimizer)
+        self.meter = None  # the working weights exist only inside forward
+
+    def backward(self, loss):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+
+    def step(self) -> tuple[float, bool]:
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        return float(norm), True
+
+    def digest(self) -> str:
+        """Digest of the BF16 weights the next all-gather sends: the rounding of the full masters."""
+        from ..integrations import fsdp2
+        from ..numerics import stochastic_round
+
+        digests = {}
+        for name, master in fsdp2.full_master(self.module).items():
+            if self.ctx is not None:
+                master = stochastic_round(master, seed=self.ctx.seed, step=self.ctx.step, param=name, mode=self.ctx.mode)
+            digests[name] = tensor_digest(master)
+        return combined_digest(digests)
+
+    def save(self, path: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from ..integrations import fsdp2
+
+        dcp.save({"model": fsdp2.sharded_state_dict(self.module)}, checkpoint_id=str(path / "fsdp2"))
+        if self.rank == 0:
+            (path / "fsdp2" / "dist_sr.json").write_text(json.dumps(
+                {"step": step, "sr": self.ctx.state_dict() if self.ctx else None}))
+
+    def load(self, path: Path) -> int | None:
+        if (path / "fsdp2" / "dist_sr.json").exists():
+            raise NotImplementedError("resuming an FSDP2 run (optimizer state) is not implemented yet; "
+                                      "the saved masters load with torch.distributed.checkpoint")
+        return None
+
+
+def make_engine(cfg: ExperimentConfig, model):
+    kind = cfg.distributed.engine
+    init_distributed(kind)
+    if kind == "single":
+        return SingleEngine(cfg, model)
+    world = dist.get_world_size()
+    if cfg.grpo.prompts_per_step % world:
+        raise ConfigError(f"grpo.prompts_per_step={cfg.grpo.prompts_per_step} must be a multiple of the world size "
+                          f"{world}: each rank samples an equal share")
+    return DeepSpeedEngine(cfg, model) if kind == "deepspeed" else FSDP2Engine(cfg, model)
