@@ -1,5 +1,7 @@
 """Experiment configs fail at load time with messages that name the field and the fix."""
 
+import os
+
 import pytest
 
 from dist_sr.rl.config import ConfigError, load_experiment
@@ -17,6 +19,10 @@ from dist_sr.rl.model import load_pretrained
     ({"task": {"name": "dataset"}}, "task.source"),
     ({"precision": "fp32", "shadow_jitter": True}, "shadow_jitter needs FP32 shadows"),
     ({"rollout": {"engine": "sglang"}}, "rollout.engine: unknown engine 'sglang'"),
+    ({"distributed": {"engine": "megatron"}}, "distributed.engine: unknown engine 'megatron'"),
+    ({"distributed": {"engine": "deepspeed"}, "precision": "bf16-pure-sr"}, "keeps no FP32 master"),
+    ({"distributed": {"engine": "fsdp2"}, "shadow_jitter": True}, "single-process control run"),
+    ({"distributed": {"deepspeed_config": "/nope.json"}}, "does not exist"),
 ])
 def test_bad_experiment_configs_are_refused(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -45,6 +51,13 @@ def test_repo_experiment_configs_load_and_the_default_is_the_quickstart():
     for path in sorted((ROOT / "configs").glob("precision-*.yaml")):
         cfg = load_experiment(path)
         assert path.stem == f"precision-{cfg.precision.precision}"
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the GRPO configs name DeepSpeed JSON paths relative to the repository root
+    try:
+        engines = {load_experiment(p).distributed.engine for p in sorted((ROOT / "configs").glob("grpo-*.yaml"))}
+    finally:
+        os.chdir(cwd)
+    assert engines == {"deepspeed", "fsdp2"}
 
 
 def test_repo_compare_config_is_the_embedded_default():
