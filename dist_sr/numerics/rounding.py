@@ -126,7 +126,7 @@ _warned_no_triton = False
 def triton_available() -> str | None:
     """None if the Triton kernels can be used, else why not."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (availability probe)
     except ImportError as exc:
         return f"triton is not installed ({exc})"
     return None

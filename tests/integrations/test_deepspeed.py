@@ -10,6 +10,7 @@ from dist_sr import stochastic_round
 from dist_sr.integrations.deepspeed import SRConfig, UnsupportedDeepSpeed, check_version, split_config
 from dist_sr.replica import tensor_digest
 from tests.dist_utils import run_workers
+from tests.integrations.models import tiny_qwen2
 
 deepspeed = pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -32,16 +33,6 @@ def ds_config(layout):
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
             "stochastic_rounding": SR_BLOCK, **LAYOUTS[layout]}
-
-
-def tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=3, hidden_size=24, intermediate_size=41, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
-                         tie_word_embeddings=False, initializer_range=0.25)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config)
 
 
 def engine_for(layout):

@@ -10,21 +10,10 @@ from dist_sr import stochastic_round
 from dist_sr.integrations.fsdp2 import shard_layout
 from dist_sr.replica import tensor_digest
 from tests.dist_utils import run_workers
+from tests.integrations.models import tiny_qwen2
 
 pytestmark = pytest.mark.slow
 SEED, STEPS = 1234, 3
-
-
-def tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    # uneven and empty shards: the 3-row embedding and lm_head leave rank 3 of 4 empty, and the
-    # 41-row MLP matrices split 21/20 at world size 2 and 11/11/11/8 at world size 4
-    config = Qwen2Config(vocab_size=3, hidden_size=24, intermediate_size=41, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
-                         tie_word_embeddings=False, initializer_range=0.25)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config)
 
 
 def build(world_size):
