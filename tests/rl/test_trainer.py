@@ -68,3 +68,17 @@ def test_train_from_a_local_pretrained_directory(easy, tmp_path):
     cfg = easy(precision="bf16", **{"model.path": str(path), "grpo.steps": 2, "warmup.enabled": False})
     rows = metrics(train(cfg, progress=False))
     assert rows[-1]["step"] == 2
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(easy, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = train(easy(precision="bf16-sr", **{"grpo.steps": 3, "eval.every": 3}), progress=False)
+    rows = metrics(path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    events = EventAccumulator(str(path.parent / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"reward", "eval_accuracy", "kl_k3", "changed_frac"} <= tags
+    assert [e.value for e in events.Scalars("reward")] == pytest.approx([r["reward"] for r in rows[1:]])
