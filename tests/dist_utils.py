@@ -6,6 +6,7 @@ import sys
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -19,6 +20,7 @@ def free_port() -> int:
 def _entry(rank, world_size, port, fn, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # the environment variable comes too late: torch is already imported
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)

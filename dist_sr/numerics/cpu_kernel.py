@@ -38,6 +38,24 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
+STALE_LOCK_SECONDS = 900
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """cpp_extension waits forever on a lock left by a process killed mid-build; a build takes
+    under a minute, so a lock older than STALE_LOCK_SECONDS is removed (with a warning)."""
+    import time
+
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"dist_sr: removing a stale build lock {lock} ({age:.0f} s old)", RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
+
+
 @functools.lru_cache(maxsize=None)
 def load() -> ModuleType:
     """The compiled module, or ``KernelUnavailable`` saying why it is not there."""
@@ -48,12 +66,14 @@ def load() -> ModuleType:
     try:
         from torch.utils import cpp_extension
 
+        name = f"dist_sr_cpu_{_cpu_fingerprint()}"
+        _clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         # no FMA contraction (bits must match the reference); no errno from sqrt, so it vectorises
         flags = ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-mprefer-vector-width=512")
         return cpp_extension.load(
-            name=f"dist_sr_cpu_{_cpu_fingerprint()}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],

@@ -97,7 +97,7 @@ def test_every_bf16_element_is_the_keyed_rounding_of_the_full_master(layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["zero2", "zero3"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_world_sizes_1_2_4_give_identical_weights_after_the_first_step(layout, tmp_path):
     # after one step from the same weights and data; later steps may differ in the last bits of
     # the FP32 master because DeepSpeed's reductions change order with the world size

@@ -269,3 +269,19 @@ def test_column_shard_with_row_stride_equals_the_whole(backend_name, cols):
 def test_bad_row_stride_is_refused():
     with pytest.raises(ValueError, match="row_stride"):
         stochastic_round(torch.zeros(4, 8), seed=1, step=1, param="w", row_stride=4)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    import time
+
+    from dist_sr.numerics import cpu_kernel
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_kernel._clear_stale_lock(str(tmp_path))
+    assert lock.exists()  # a build may be running
+    old = time.time() - cpu_kernel.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        cpu_kernel._clear_stale_lock(str(tmp_path))
+    assert not lock.exists()
