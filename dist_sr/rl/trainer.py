@@ -88,21 +88,17 @@ def jitter_shadows_(optimizer: ShadowOptimizer, seed: int) -> None:
         optimizer._write_working()
 
 
-def _all_mean(values: list[float], world: int) -> list[float]:
-    """Means over ranks (identity in one process)."""
-    if world == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / world).tolist()
-
-
 def _all_sum(values: list[float], world: int) -> list[float]:
+    """Sums over ranks (identity in one process)."""
     if world == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def _all_mean(values: list[float], world: int) -> list[float]:
+    return values if world == 1 else [v / world for v in _all_sum(values, world)]
 
 
 def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False, stop_at: int | None = None,
