@@ -3,6 +3,7 @@
     dist-sr compare [CONFIG]             precision comparison (embedded default without CONFIG)
     dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG)
     dist-sr key NAME --seed S --step T   print a parameter's stream key
+    dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/k8s.py)
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     p_key.add_argument("--step", type=int, default=0)
     p_key.add_argument("--mode", default="stochastic", choices=["stochastic", "dither"])
 
+    p_k8s = sub.add_parser("k8s", help="render Kubernetes manifests from an experiment config", add_help=False)
+    p_k8s.add_argument("args", nargs=argparse.REMAINDER)
+
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["k8s"]:
+        from .k8s import main as k8s_main
+
+        return k8s_main(argv[1:])
     args = ap.parse_args(argv)
     from .rl.config import ConfigError
 

@@ -104,6 +104,11 @@ class PrecisionConfig:
                 )
         return config
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that apply to this precision; ``from_dict`` of the result is ``self``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _ONLY_FOR or self.precision in _ONLY_FOR[f.name]}
+
     @classmethod
     def from_yaml(cls, source: str | Path) -> "PrecisionConfig":
         """From a YAML file (or YAML text) with a top-level ``precision:`` entry."""

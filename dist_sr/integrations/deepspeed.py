@@ -309,6 +309,31 @@ def _install_all_gather_hook(sr: DeepSpeedSR) -> None:
     _ENGINES_BY_GROUPS[id(sr.groups_flat)] = weakref.ref(sr)
 
 
+def precision_of_config(config: dict | str | Path) -> dict:
+    """The precision switch a DeepSpeed config expresses: ``{"precision": ..., "seed": ...}``.
+
+    ``fp16.enabled`` -> fp16; ``bf16.enabled`` -> bf16, or bf16-sr / bf16-dither with an enabled
+    ``stochastic_rounding`` block (its seed included); neither -> fp32. An SR block without bf16
+    is refused: SR rounds to BF16 working weights.
+    """
+    config, sr = split_config(config)
+    fp16 = bool(config.get("fp16", {}).get("enabled", False))
+    bf16 = bool(config.get("bf16", config.get("bfloat16", {})).get("enabled", False))
+    if fp16 and bf16:
+        raise ValueError("the DeepSpeed config enables both fp16 and bf16; enable one")
+    if sr is not None and not bf16:
+        raise ValueError(f'the DeepSpeed config has an enabled "{CONFIG_KEY}" block but not "bf16": '
+                         '{"enabled": true}; SR rounds FP32 masters to BF16 working weights (FP16 SR is not '
+                         "supported), so enable bf16 or drop the block")
+    if fp16:
+        return {"precision": "fp16"}
+    if not bf16:
+        return {"precision": "fp32"}
+    if sr is None:
+        return {"precision": "bf16"}
+    return {"precision": "bf16-dither" if sr.mode == "dither" else "bf16-sr", "seed": sr.seed}
+
+
 def config_for_precision(precision, base: dict | str | Path) -> dict:
     """A DeepSpeed config whose ``bf16``/``fp16`` sections and SR block follow the precision switch.
 

@@ -98,16 +98,81 @@ class EvalConfig:
     seed: int = 1234                  # fixed prompts and fixed sampling noise at every evaluation
 
 
+TRANSPORTS = ("broadcast", "shard-direct")
+
+
 @dataclass
-class RolloutConfig:
-    engine: str = "embedded"          # embedded: transformers in-process (the CPU default)
-    verify_every: int = 1             # compare rollout-weight digest with the trainer's every N steps
+class FleetConfig:
+    """A fleet of ``vllm serve`` engines that receive the trainer's BF16 weights after every step."""
+    urls: list = field(default_factory=list)  # engine base URLs; empty = from the cluster section (Kubernetes)
+    replicas: int = 1                 # engines (Kubernetes StatefulSet replicas)
+    tensor_parallel_size: int = 1     # workers per engine; each joins the weight-transfer group
+    port: int = 8000                  # each engine's HTTP port
+    group_port: int = 29600           # trainer rank 0 hosts the weight-transfer group's store here
+    group_host: str | None = None     # address engines use to reach trainer rank 0 (default: this host)
+    transport: str = "broadcast"      # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
+    bucket_mb: float = 64.0           # gather/send granularity
+    timeout_s: float = 120.0          # per collective and per HTTP call; an engine that exceeds it is dropped
+    snapshot_dir: str | None = None   # versioned safetensors snapshots, for engines that restart
+    max_model_len: int = 128
+    gpu_memory_utilization: float = 0.85
 
     def __post_init__(self):
-        if self.engine not in ("embedded",):
-            raise ConfigError(
-                f"rollout.engine: unknown engine {self.engine!r}; available here: embedded"
-            )
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"rollout.vllm.transport: unknown transport {self.transport!r}; "
+                              f"choose one of {', '.join(TRANSPORTS)}")
+        if self.replicas < 1 or self.tensor_parallel_size < 1:
+            raise ConfigError("rollout.vllm.replicas and rollout.vllm.tensor_parallel_size must be >= 1")
+        if self.bucket_mb <= 0 or self.timeout_s <= 0:
+            raise ConfigError("rollout.vllm.bucket_mb and rollout.vllm.timeout_s must be > 0")
+        if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.urls):
+            raise ConfigError(f"rollout.vllm.urls: expected http(s):// base URLs, got {self.urls!r}")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"          # embedded: transformers in-process (the CPU default) | vllm: a fleet
+    verify_every: int = 1             # compare rollout-weight digest with the trainer's every N steps
+    vllm: FleetConfig = field(default_factory=FleetConfig)
+
+    def __post_init__(self):
+        if self.engine not in ("embedded", "vllm"):
+            raise ConfigError(f"rollout.engine: unknown engine {self.engine!r}; choose one of embedded, vllm")
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs on Kubernetes; ``dist-sr k8s`` renders the manifests from this section."""
+    name: str = "dist-sr"             # prefix of every object's name (DNS-1035 label)
+    namespace: str = "default"
+    image: str = "dist-sr:latest"     # built from docker/Dockerfile
+    launcher: str = "torchrun"        # torchrun | deepspeed (both start launch/train.py on every node)
+    nnodes: int = 1                   # trainer pods (Indexed Job completions)
+    nproc_per_node: int = 1           # training processes per pod
+    gpus_per_node: int = 0            # nvidia.com/gpu per trainer pod; 0 = CPU (gloo)
+    gpus_per_engine: int | None = None  # per vLLM engine pod; default rollout.vllm.tensor_parallel_size
+    cpu_per_engine: str = "8"
+    memory_per_engine: str = "64Gi"
+    master_port: int = 29500
+    cpu_per_node: str = "4"
+    memory_per_node: str = "16Gi"
+    storage: str = "50Gi"             # PVC for checkpoints, caches and weight snapshots (ReadWriteMany)
+    storage_class: str | None = None
+    data_dir: str = "/data"           # where the PVC is mounted
+
+    def __post_init__(self):
+        import re
+
+        if not re.fullmatch(r"[a-z]([-a-z0-9]{0,30}[a-z0-9])?", self.name):
+            raise ConfigError(f"cluster.name: {self.name!r} is not a DNS-1035 label of <= 32 characters "
+                              "(lower-case letters, digits, '-', starting with a letter)")
+        if self.launcher not in ("torchrun", "deepspeed"):
+            raise ConfigError(f"cluster.launcher: unknown launcher {self.launcher!r}; choose torchrun or deepspeed")
+        if self.nnodes < 1 or self.nproc_per_node < 1 or self.gpus_per_node < 0:
+            raise ConfigError("cluster.nnodes and cluster.nproc_per_node must be >= 1, cluster.gpus_per_node >= 0")
+        if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
+            raise ConfigError(f"cluster.nproc_per_node={self.nproc_per_node} exceeds cluster.gpus_per_node="
+                              f"{self.gpus_per_node}: nccl needs one GPU per process")
 
 
 @dataclass
@@ -136,6 +201,7 @@ class ExperimentConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0                     # RL sampling seed
     shadow_jitter: bool = False       # control run: move FP32 shadows off the BF16 grid at start
     output_dir: str = "runs/train"
@@ -163,6 +229,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         return _convert(next(a for a in args if a is not type(None)), value, where)
+    if origin is list or tp is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return list(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
@@ -227,7 +297,10 @@ def load_experiment(source: str | Path | dict, overrides: dict | None = None) ->
 
 
 def to_dict(config: ExperimentConfig) -> dict:
-    return dataclasses.asdict(config)
+    """Plain data that ``load_experiment`` turns back into ``config``."""
+    data = dataclasses.asdict(config)
+    data["precision"] = config.precision.to_dict()
+    return data
 
 
 def _deep_copy(d):

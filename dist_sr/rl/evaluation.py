@@ -27,12 +27,13 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], *, seed: int
     """
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     correct, kl_sum, kl_n = 0.0, 0.0, 0
     try:
         for start in range(0, len(examples), batch_size):
             chunk = examples[start:start + batch_size]
-            ids, mask = encode_prompts(tokenizer, [e.prompt for e in chunk])
+            ids, mask = encode_prompts(tokenizer, [e.prompt for e in chunk], device=device)
             comp, comp_mask = sample(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
                                      generator=generator, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                      stop_early=stop_early)

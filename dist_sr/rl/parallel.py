@@ -23,14 +23,26 @@ from .config import ConfigError, ExperimentConfig
 ENGINES = ("single", "deepspeed", "fsdp2")
 
 
-def init_distributed(engine: str) -> None:
-    """Join the process group the launcher (torchrun / deepspeed) describes in the environment."""
+def init_distributed(engine: str, backend: str | None = None) -> None:
+    """Join the process group the launcher (torchrun / deepspeed) describes in the environment:
+    nccl when CUDA is present, gloo otherwise (``backend`` overrides)."""
     if engine == "single" or dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:
         raise ConfigError(f"distributed.engine={engine!r} needs a launcher (torchrun or deepspeed) that sets "
-                          "RANK/WORLD_SIZE/MASTER_ADDR; or use distributed.engine=single")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                          "RANK/WORLD_SIZE/MASTER_ADDR, or the entry point launch/train.py; "
+                          "or use distributed.engine=single")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def training_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 class SingleEngine:

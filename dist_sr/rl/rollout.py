@@ -112,7 +112,7 @@ class EmbeddedEngine:
         return self.digest_fn() if self.digest_fn else combined_digest(weight_digests(self.model))
 
     def generate(self, prompts, *, samples_per_prompt, max_new_tokens, temperature, generator, with_digest=False):
-        ids, mask = encode_prompts(self.tokenizer, prompts)
+        ids, mask = encode_prompts(self.tokenizer, prompts, device=generator.device)
         ids = ids.repeat_interleave(samples_per_prompt, 0)
         mask = mask.repeat_interleave(samples_per_prompt, 0)
         was_training = self.model.training

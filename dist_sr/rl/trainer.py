@@ -28,6 +28,7 @@ from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
 from .model import load_pretrained
 from .parallel import init_distributed
 from .parallel import make_engine as make_training_engine
+from .parallel import training_device
 from .rollout import EmbeddedEngine, RolloutEngine
 from .warmup import make_task, warmup_checkpoint
 
@@ -92,7 +93,7 @@ def _all_sum(values: list[float], world: int) -> list[float]:
     """Sums over ranks (identity in one process)."""
     if world == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=training_device())  # nccl reduces CUDA tensors
     dist.all_reduce(t)
     return t.tolist()
 
@@ -126,6 +127,8 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         dist.barrier()
     model_path = cfg.model.path or warmup_checkpoint(cfg, progress=False)
     model, tokenizer = load_pretrained(model_path)
+    device = training_device()
+    model.to(device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # FP32 copy of the start weights
     trainer = make_training_engine(cfg, model)
     if cfg.shadow_jitter:
@@ -166,10 +169,11 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         rollout.sync_weights(step - 1)
         ro = rollout.generate([e.prompt for e in examples], samples_per_prompt=g.samples_per_prompt,
                               max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                              generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, stream("sample"))),
+                              generator=torch.Generator(device=device).manual_seed(
+                                  step_seed(cfg.seed, step, stream("sample"))),
                               with_digest=verify)
         answers = [e.answer for e in examples for _ in range(g.samples_per_prompt)]
-        rewards = torch.tensor([task.reward(t, a) for t, a in zip(ro.texts, answers)])
+        rewards = torch.tensor([task.reward(t, a) for t, a in zip(ro.texts, answers)], device=device)
         if verify:
             trainer_digest = trainer.digest()
             if ro.weight_digest != trainer_digest:

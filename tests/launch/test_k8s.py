@@ -1,0 +1,181 @@
+"""Rendered Kubernetes manifests: schema-valid, and consistent with the entry point they start."""
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dist_sr import k8s
+from dist_sr.launch import build_parser, plan
+from dist_sr.rl.config import ConfigError
+from tests.launch.conftest import REPO
+
+kv = pytest.importorskip("kubernetes_validate")
+KUBERNETES = "1.33"  # the schema version the manifests are validated against
+EXPERIMENTS = sorted(p for pattern in ("quickstart.yaml", "precision-*.yaml", "grpo-*.yaml", "multinode-*.yaml")
+                     for p in (REPO / "configs").glob(pattern))
+
+
+def _render(config: Path, *sets: str, tmp_path: Path) -> dict[str, list[dict]]:
+    argv = ["--config", str(config), "-o", str(tmp_path)]
+    for s in sets:
+        argv += ["--set", s]
+    assert k8s.main(argv) == 0
+    out = {}
+    for path in sorted(tmp_path.glob("*.yaml")):
+        out[path.name] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return out
+
+
+def _objects(files, kind):
+    return [o for objs in files.values() for o in objs if o["kind"] == kind]
+
+
+def _expand(arg: str, env: dict) -> str:
+    """Kubernetes' $(VAR) expansion in command arguments."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+
+@pytest.mark.parametrize("config", EXPERIMENTS, ids=lambda p: p.stem)
+def test_every_config_renders_to_schema_valid_manifests(config, tmp_path):
+    sets = ["cluster.nnodes=2"] if "engine: fsdp2" in config.read_text() or "deepspeed" in config.name else []
+    files = _render(config, *sets, tmp_path=tmp_path)
+    assert sorted(files["kustomization.yaml"][0]["resources"]) == sorted(n for n in files if n != "kustomization.yaml")
+    for name, objs in files.items():
+        for obj in objs:
+            if obj["kind"] != "Kustomization":
+                kv.validate(obj, KUBERNETES, strict=True)
+
+
+def test_validation_is_strict_enough_to_catch_a_misspelt_field(tmp_path):
+    files = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
+    job = _objects(files, "Job")[0]
+    job["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kv.ValidationError):
+        kv.validate(job, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launcher, tmp_path):
+    files = _render(REPO / "configs" / "multinode-vllm.yaml", f"cluster.launcher={launcher}", tmp_path=tmp_path)
+    job = _objects(files, "Job")[0]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    index_ref = next(e for e in container["env"] if e["name"] == "NODE_RANK")["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index_ref == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    env["NODE_RANK"] = "1"
+    argv = [_expand(a, env) for a in container["command"]]
+    entry = argv.index(k8s.ENTRY)
+    launcher_args, entry_args = argv[1:entry], argv[entry + 1:]
+    assert argv[0] == launcher
+
+    # The launcher's own parser accepts its part; world size and port match the objects.
+    if launcher == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        la = get_args_parser().parse_args(launcher_args + [k8s.ENTRY])
+        nnodes, nproc, node_rank, addr, port = int(la.nnodes), int(la.nproc_per_node), la.node_rank, \
+            la.master_addr, la.master_port
+    else:
+        from deepspeed.launcher.runner import parse_args
+
+        la = parse_args(launcher_args + [k8s.ENTRY])
+        nnodes, nproc, node_rank, addr, port = la.num_nodes, la.num_gpus, la.node_rank, la.master_addr, la.master_port
+        assert la.no_ssh
+    assert (nnodes, node_rank) == (job["spec"]["completions"], 1)
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == nnodes
+
+    # The rendezvous host is index 0's stable name under the headless Service.
+    (svc,) = [s for s in _objects(files, "Service") if s["metadata"]["name"] == pod["subdomain"]]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert addr == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(port) == svc_ports["rendezvous"] == container_ports["rendezvous"]
+    assert all(svc["spec"]["selector"][k] == v for k, v in job["spec"]["template"]["metadata"]["labels"].items()
+               if k in svc["spec"]["selector"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == nproc
+
+    # The entry point's parser accepts its part, and the mounted config plans on that world.
+    args = build_parser().parse_args(entry_args)
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "config")
+    config_map = _objects(files, "ConfigMap")[0]
+    assert args.config == f"{mount}/experiment.yaml"
+    (tmp_path / "etc").mkdir()
+    for name, text in config_map["data"].items():
+        (tmp_path / "etc" / name).write_text(text)
+    args.config = str(tmp_path / "etc" / "experiment.yaml")
+    p = plan(args, env={"WORLD_SIZE": str(nnodes * nproc), "RANK": "8", "LOCAL_RANK": "0"}, cuda=True)
+    assert (p.engine, p.backend, p.world) == ("fsdp2", "nccl", 16)
+    data_mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "data")
+    assert p.config.output_dir.startswith(data_mount + "/")
+
+    # The fleet the trainer will call is the StatefulSet's pods, by their stable names.
+    (sts,) = _objects(files, "StatefulSet")
+    fleet = p.config.rollout.vllm
+    vsvc = next(s for s in _objects(files, "Service") if s["metadata"]["name"] == sts["spec"]["serviceName"])
+    assert fleet.urls == [f"http://{sts['metadata']['name']}-{i}.{vsvc['metadata']['name']}:{fleet.port}"
+                          for i in range(sts["spec"]["replicas"])]
+    assert fleet.group_host == addr and fleet.group_port in [p["port"] for p in svc["spec"]["ports"]]
+    (vc,) = sts["spec"]["template"]["spec"]["containers"]
+    serve = shlex.split(vc["command"][-1].split("exec ", 1)[1])
+    assert serve[:2] == ["vllm", "serve"]
+    assert serve[serve.index("--port") + 1] == str(fleet.port) == str(vc["ports"][0]["containerPort"])
+    assert serve[serve.index("--tensor-parallel-size") + 1] == str(fleet.tensor_parallel_size)
+    assert vc["resources"]["limits"]["nvidia.com/gpu"] == fleet.tensor_parallel_size
+
+
+def test_only_trainer_pods_and_fleet_peers_reach_the_engines(tmp_path):
+    files = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
+    policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
+                for p in _objects(files, "NetworkPolicy")}
+    job_labels = _objects(files, "Job")[0]["spec"]["template"]["metadata"]["labels"]
+    sts_labels = _objects(files, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
+    engine_policy = policies["rollout"]
+    assert engine_policy["spec"]["podSelector"]["matchLabels"] == sts_labels
+    assert engine_policy["spec"]["policyTypes"] == ["Ingress"]
+    peers = [rule["podSelector"]["matchLabels"] for rule in engine_policy["spec"]["ingress"][0]["from"]]
+    assert peers == [job_labels, sts_labels]  # nothing else (no namespaceSelector, no ipBlock)
+    env = {e["name"]: e.get("value") for e in
+           _objects(files, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_committed_manifests_match_a_fresh_render(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    committed = REPO / "k8s" / "multinode-vllm"
+    _render(Path("configs/multinode-vllm.yaml"), tmp_path=tmp_path)
+    fix = "run `dist-sr k8s --config configs/multinode-vllm.yaml -o k8s/multinode-vllm`"
+    assert sorted(p.name for p in committed.glob("*.yaml")) == sorted(p.name for p in tmp_path.glob("*.yaml")), fix
+    for path in sorted(tmp_path.glob("*.yaml")):
+        assert (committed / path.name).read_text() == path.read_text(), f"{path.name} is stale: {fix}"
+
+
+def test_a_world_the_config_cannot_use_fails_at_render_time(tmp_path):
+    assert k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=3",
+                     "-o", str(tmp_path)]) == 2
+    with pytest.raises(ConfigError, match="DNS-1035"):
+        k8s.load_for_cluster(build_parser().parse_args(["--set", "cluster.name=Bad_Name"]))
+    assert not list(tmp_path.iterdir())
+    assert isinstance(build_parser().parse_args([]), argparse.Namespace)
+
+
+def test_the_image_provides_what_the_manifests_run(tmp_path):
+    """docker/Dockerfile: the manifests' workingDir is its checkout, which holds the entry point,
+    and it installs the extras the pods import (no image is built here)."""
+    import tomllib
+
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert re.search(rf"^WORKDIR {k8s.WORKDIR}$", dockerfile, re.M)
+    copied = re.findall(r"^COPY (\S+) ", dockerfile, re.M)
+    assert k8s.ENTRY.split("/")[0] in copied and "dist_sr" in copied and "configs" in copied
+    extra = re.search(r'-e "\.\[(\w+)\]"', dockerfile).group(1)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"deepspeed", "rl", "vllm"} <= set(re.findall(r"\w+", extras[extra][0].split("[", 1)[1]))
+    files = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
+    job = _objects(files, "Job")[0]
+    assert job["spec"]["template"]["spec"]["containers"][0]["workingDir"] == k8s.WORKDIR
