@@ -1,0 +1,150 @@
+"""What a weight sync moves, agreed by trainer and engines before any byte moves.
+
+A sync is a list of buckets. Each bucket lists whole tensors (HF names, dtype, full shape), and
+each tensor is a set of *pieces*: contiguous ranges ``[start, end)`` of the flattened full tensor,
+each sent by one trainer rank (the *source*). Gather-then-broadcast has one source (trainer rank
+0) holding every tensor whole; shard-direct has one source per trainer rank, each sending the
+ranges it holds (an FSDP2 dim-0 shard, a ZeRO-3 partition, or a slice of a replica). In a bucket,
+source ``m`` sends one flat byte buffer: its pieces, tensor by tensor, in plan order.
+
+The digest is layout-free: the 64-bit sum over elements of a keyed mix of (global index, bits),
+so each rank can digest what it holds and the sums add up to the digest of the full tensor,
+whatever the sharding. A wrong byte, a misplaced piece or a missing piece changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ..numerics.reference import _GAMMA, _MIX1, _MIX2, _shr
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_CHUNK = 1 << 20
+_MASK = (1 << 64) - 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"cannot send {dtype}: weights travel as {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass
+class Piece:
+    src: int      # trainer rank that sends it
+    start: int    # flat element range of the full tensor
+    end: int
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+@dataclass
+class Bucket:
+    tensors: list[TensorPlan] = field(default_factory=list)
+
+    def nbytes(self, src: int) -> int:
+        """Bytes source ``src`` sends in this bucket."""
+        return sum((p.end - p.start) * t.itemsize for t in self.tensors for p in t.pieces if p.src == src)
+
+    def sources(self) -> list[int]:
+        return sorted({p.src for t in self.tensors for p in t.pieces})
+
+
+@dataclass
+class SyncPlan:
+    version: int
+    senders: int                       # trainer ranks that send (1 = gather-then-broadcast)
+    buckets: list[Bucket]
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "senders": self.senders,
+                "buckets": [[[t.name, t.dtype, list(t.shape), [[p.src, p.start, p.end] for p in t.pieces]]
+                             for t in b.tensors] for b in self.buckets]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SyncPlan":
+        buckets = [Bucket([TensorPlan(name, dtype, tuple(shape), [Piece(*p) for p in pieces])
+                           for name, dtype, shape, pieces in b]) for b in data["buckets"]]
+        return cls(int(data["version"]), int(data["senders"]), buckets)
+
+    def check(self) -> None:
+        """Every tensor covered exactly once by its pieces (no gap, no overlap)."""
+        for b in self.buckets:
+            for t in b.tensors:
+                covered = 0
+                for p in sorted(t.pieces, key=lambda p: p.start):
+                    if p.start != covered or p.end < p.start or not 0 <= p.src < self.senders:
+                        raise ValueError(f"sync plan: {t.name} pieces {t.pieces} do not tile [0, {t.numel})")
+                    covered = p.end
+                if covered != t.numel:
+                    raise ValueError(f"sync plan: {t.name} pieces cover {covered} of {t.numel} elements")
+
+
+def make_buckets(tensors: list[TensorPlan], bucket_bytes: int) -> list[Bucket]:
+    """Consecutive tensors packed into buckets of about ``bucket_bytes`` (a larger tensor is a
+    bucket of its own), in the given order."""
+    buckets, current, size = [], Bucket(), 0
+    for t in tensors:
+        nbytes = t.numel * t.itemsize
+        if current.tensors and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = Bucket(), 0
+        current.tensors.append(t)
+        size += nbytes
+    if current.tensors:
+        buckets.append(current)
+    return buckets
+
+
+def piece_sum(values: torch.Tensor, start: int) -> int:
+    """Layout-free digest contribution of flat ``values`` holding elements ``start..`` of a tensor."""
+    bits = values.reshape(-1)
+    if bits.dtype != torch.uint8:
+        bits = bits.view(torch.uint8)
+    width = values.element_size()
+    words = bits.view(torch.int16 if width == 2 else torch.int32 if width == 4 else torch.uint8)
+    total = 0
+    for s in range(0, words.numel(), _CHUNK):
+        v = words[s:s + _CHUNK].to(torch.int64) & ((1 << (8 * width)) - 1)
+        idx = torch.arange(start + s, start + s + v.numel(), dtype=torch.int64, device=v.device)
+        z = (idx * _GAMMA) ^ (v * _MIX2) ^ _GAMMA
+        z = (z ^ _shr(z, 30)) * _MIX1
+        z = (z ^ _shr(z, 27)) * _MIX2
+        z = z ^ _shr(z, 31)
+        total += int((z & 0xFFFFFFFF).sum()) + (int(_shr(z, 32).sum()) << 32)
+    return total & _MASK
+
+
+def combine(entries: dict[str, tuple[str, tuple[int, ...], int]]) -> str:
+    """One digest over ``{name: (dtype, shape, sum)}``, independent of order."""
+    h = hashlib.sha256()
+    for name in sorted(entries):
+        dtype, shape, s = entries[name]
+        h.update(f"{name}|{dtype}|{list(shape)}|{s & _MASK:016x}\n".encode())
+    return h.hexdigest()
+
+
+def tensor_sums(named: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Digest entries of whole tensors."""
+    return {n: (dtype_name(t.dtype), tuple(t.shape), piece_sum(t.detach().contiguous(), 0)) for n, t in named.items()}

@@ -1,0 +1,145 @@
+"""Trainer side: the BF16 working weights of a trainer, as HF-named tensors, without ever
+materialising the whole model.
+
+A source answers three questions, the same way on every trainer rank:
+- ``metadata()``: every tensor's name, dtype and full shape, in model order;
+- ``local_pieces(names)``: the flat ranges this rank holds and their bits (shard-direct sends
+  these as they are: an FSDP2 shard rounded with the global key, a ZeRO-3 partition, or this
+  rank's slice of a replicated tensor);
+- ``gather(names)``: the full tensors of one bucket on rank 0 (a collective every rank joins).
+
+The bits are the working weights the forward pass uses: SR'd BF16 where the precision rounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..numerics.key import normalize_param_name
+from .plan import dtype_name
+
+Meta = tuple[str, str, tuple[int, ...]]
+
+
+def _split(numel: int, world: int, rank: int) -> tuple[int, int]:
+    chunk = math.ceil(numel / world)
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+class ReplicatedSource:
+    """Every rank holds every working weight (one process; DeepSpeed stages 0-2, whose replicas
+    are bitwise equal). Shard-direct splits each tensor into one contiguous slice per rank."""
+
+    def __init__(self, module: torch.nn.Module, rank: int = 0, world: int = 1):
+        self.params = {normalize_param_name(n): p for n, p in module.named_parameters()}
+        self.rank, self.world = rank, world
+
+    def metadata(self) -> list[Meta]:
+        return [(n, dtype_name(p.dtype), tuple(p.shape)) for n, p in self.params.items()]
+
+    def local_pieces(self, names: list[str]) -> list[tuple[str, int, int, torch.Tensor]]:
+        out = []
+        for n in names:
+            flat = self.params[n].detach().reshape(-1)
+            start, end = _split(flat.numel(), self.world, self.rank)
+            out.append((n, start, end, flat[start:end]))
+        return out
+
+    def gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self.params[n].detach() for n in names} if self.rank == 0 else {}
+
+
+class FSDP2Source:
+    """FSDP2 with keyed SR: the working weights exist only inside forward, as the all-gather of
+    SR'd shards; this source rounds each local FP32 shard with its global offsets (the bits the
+    all-gather sends), so shard-direct needs no gather at all."""
+
+    def __init__(self, module: torch.nn.Module, ctx, rank: int, world: int):
+        self.params = {normalize_param_name(n): p for n, p in module.named_parameters()}
+        self.ctx, self.rank, self.world = ctx, rank, world
+
+    def metadata(self) -> list[Meta]:
+        return [(n, "bfloat16", tuple(p.shape)) for n, p in self.params.items()]
+
+    def _rounded_local(self, name: str) -> tuple[int, torch.Tensor]:
+        from ..integrations.fsdp2 import _plain, shard_layout
+        from ..numerics import stochastic_round
+
+        p = self.params[name]
+        local = _plain(p.to_local()) if hasattr(p, "to_local") else _plain(p.detach())
+        offset, row_stride, _ = shard_layout(tuple(p.shape), tuple(local.shape), self.world, self.rank)
+        if row_stride is not None:
+            raise NotImplementedError(f"{name}: FSDP2 shards on a non-leading dim are not contiguous in the full "
+                                      "tensor; shard-direct needs dim-0 shards (FSDP2's default)")
+        local = local.detach().contiguous()
+        if self.ctx is None:
+            return offset, local.to(torch.bfloat16)
+        return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
+                                        mode=self.ctx.mode)
+
+    def local_pieces(self, names):
+        out = []
+        for n in names:
+            offset, bits = self._rounded_local(n)
+            out.append((n, offset, offset + bits.numel(), bits.reshape(-1)))
+        return out
+
+    def gather(self, names):
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for n in names:
+            p = self.params[n]
+            _, bits = self._rounded_local(n)
+            if isinstance(p, DTensor):
+                full = DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements,
+                                          shape=p.shape, stride=p.stride()).full_tensor()
+            else:
+                full = bits
+            if self.rank == 0:
+                out[n] = full
+        return out
+
+
+class ZeRO3Source:
+    """DeepSpeed ZeRO-3: rank r holds elements ``[r*pn, (r+1)*pn)`` of each parameter's flat
+    BF16 (``ds_tensor``, SR'd by dist-sr's hook); sizes come from ``ds_numel``/``ds_shape``,
+    never from the (empty) partitioned ``numel()``."""
+
+    def __init__(self, module: torch.nn.Module, rank: int, world: int):
+        self.params = {normalize_param_name(n): p for n, p in module.named_parameters()}
+        self.rank, self.world = rank, world
+
+    def metadata(self) -> list[Meta]:
+        return [(n, dtype_name(p.ds_tensor.dtype), tuple(p.ds_shape)) for n, p in self.params.items()]
+
+    def local_pieces(self, names):
+        out = []
+        for n in names:
+            p = self.params[n]
+            pn = p.ds_tensor.numel()
+            start, end = min(self.rank * pn, p.ds_numel), min((self.rank + 1) * pn, p.ds_numel)
+            out.append((n, start, end, p.ds_tensor.detach().reshape(-1)[:end - start]))
+        return out
+
+    def gather(self, names):
+        import deepspeed
+
+        params = [self.params[n] for n in names]
+        with deepspeed.zero.GatheredParameters(params):
+            return {n: p.detach().clone() for n, p in zip(names, params)} if self.rank == 0 else {}
+
+
+def source_for(trainer) -> "ReplicatedSource | FSDP2Source | ZeRO3Source":
+    """The source for a training engine of ``dist_sr.rl.parallel``."""
+    kind = type(trainer).__name__
+    if kind == "FSDP2Engine":
+        return FSDP2Source(trainer.module, trainer.ctx, trainer.rank, trainer.world)
+    if kind == "DeepSpeedEngine" and trainer.zero3:
+        return ZeRO3Source(trainer.module, trainer.rank, trainer.world)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return ReplicatedSource(trainer.module, rank, world)

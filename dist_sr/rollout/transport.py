@@ -1,0 +1,70 @@
+"""The weight-transfer groups: one gloo group per sending trainer rank, stateless (independent of
+``torch.distributed``'s default group, which trainer and engines each already use for themselves).
+
+Group ``m`` holds trainer rank ``m`` (as group rank 0) and every engine worker (group ranks
+``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store; every
+rebuild of the fleet uses a fresh ``generation`` prefix, so stale keys never meet new members.
+Buckets are received as one flat byte buffer per source, so a sync is a few large collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .plan import DTYPES, Bucket
+
+
+def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, use_libuv=True)
+
+
+def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float):
+    """Group ``src`` of ``generation``: ``rank`` among ``world`` members."""
+    prefixed = dist.PrefixStore(f"dist_sr/{generation}/group{src}", store)
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if iface:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
+        return dist.ProcessGroupGloo(prefixed, rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+
+
+def broadcast(group, buffer: torch.Tensor):
+    """Start a broadcast of ``buffer`` from group rank 0 (the trainer); returns the work handle."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([buffer], opts)
+
+
+def receive_bucket(groups: dict, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """Engine side: receive every source's buffer of ``bucket`` concurrently, then assemble the
+    full tensors (views into the buffer when a tensor arrives in one piece)."""
+    buffers, works = {}, []
+    for src in bucket.sources():
+        buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
+        works.append(broadcast(groups[src], buffers[src]))
+    for w in works:
+        w.wait()
+    cursor = {src: 0 for src in buffers}
+    out = []
+    for t in bucket.tensors:
+        dtype, item = DTYPES[t.dtype], t.itemsize
+        if len(t.pieces) == 1:
+            (p,) = t.pieces
+            raw = buffers[p.src][cursor[p.src]:cursor[p.src] + t.numel * item]
+            cursor[p.src] += t.numel * item
+            out.append((t.name, raw.view(dtype).view(t.shape)))
+            continue
+        full = torch.empty(t.numel, dtype=dtype)
+        for p in t.pieces:
+            n = (p.end - p.start) * item
+            full[p.start:p.end] = buffers[p.src][cursor[p.src]:cursor[p.src] + n].view(dtype)
+            cursor[p.src] += n
+        out.append((t.name, full.view(t.shape)))
+    return out
