@@ -211,7 +211,9 @@ class WeightSync:
         return ranges[rank][name]
 
     # ---- one sync -------------------------------------------------------------------------
-    def sync(self, version: int) -> SyncResult:
+    def sync(self, version: int, on_bucket=None) -> SyncResult:
+        """Every trainer rank: send the current working weights as ``version``; ``on_bucket(i, n)``
+        is called after each bucket (progress)."""
         t0 = time.perf_counter()
         problems: list[str] = []
         for attempt in (1, 2, 3):
@@ -228,7 +230,7 @@ class WeightSync:
                 failed = self._connect(members)
             ok = not failed and self._all_ok(True)
             if ok:
-                ok, failed, sent, entries = self._transfer(version)
+                ok, failed, sent, entries = self._transfer(version, on_bucket)
             if self._all_ok(ok):
                 break
             failed = self._bcast(failed)
@@ -251,7 +253,7 @@ class WeightSync:
             raise NoReadyEngineError(f"after weight sync {version} no engine holds the trainer's weights: {problems}")
         return self.last
 
-    def _transfer(self, version: int):
+    def _transfer(self, version: int, on_bucket=None):
         """All ranks: one attempt at moving every bucket. Returns (ok, failures, bytes, digest entries)."""
         plan = self.plan(version)
         failures: list[str] = []
@@ -272,7 +274,9 @@ class WeightSync:
         sums: dict[str, int] = {}
         sent = 0
         try:
-            for bucket in plan.buckets:
+            for index, bucket in enumerate(plan.buckets):
+                if on_bucket is not None:
+                    on_bucket(index, len(plan.buckets))
                 names = [t.name for t in bucket.tensors]
                 if self.transport == "broadcast":
                     full = self.source.gather(names)  # collective on every rank

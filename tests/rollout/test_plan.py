@@ -1,0 +1,54 @@
+"""Sync plans and the layout-free digest (no engine needed)."""
+
+import random
+
+import pytest
+import torch
+
+from dist_sr.rollout.plan import Bucket, Piece, SyncPlan, TensorPlan, combine, make_buckets, piece_sum, tensor_sums
+
+
+def _random_split(numel, parts, rng):
+    cuts = sorted(rng.sample(range(1, numel), parts - 1))
+    return list(zip([0] + cuts, cuts + [numel]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shard_sums_add_up_to_the_full_tensors_digest_for_any_split(dtype):
+    rng = random.Random(0)
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    full = piece_sum(x, 0)
+    flat = x.reshape(-1)
+    for parts in (2, 3, 7):
+        ranges = _random_split(flat.numel(), parts, rng)
+        assert sum(piece_sum(flat[s:e], s) for s, e in ranges) % 2**64 == full
+
+
+def test_the_digest_sees_one_flipped_bit_a_swap_and_a_misplaced_piece():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    base = piece_sum(x, 0)
+    flipped = x.clone()
+    flipped.view(torch.int16)[123] ^= 1
+    swapped = x.clone()
+    swapped[[5, 6]] = x[[6, 5]]
+    assert x[5] != x[6]
+    assert piece_sum(flipped, 0) != base and piece_sum(swapped, 0) != base
+    assert piece_sum(x[:2048], 0) + piece_sum(x[2048:], 1) != base  # a piece sent with the wrong offset
+    named = {"a": x, "b": x[:10]}
+    assert combine(tensor_sums(named)) == combine(dict(reversed(list(tensor_sums(named).items()))))
+    assert combine(tensor_sums(named)) != combine(tensor_sums({"a": x, "b": x[:10].reshape(2, 5)}))
+
+
+def test_plans_round_trip_through_json_and_must_tile_every_tensor():
+    tensors = [TensorPlan("w", "bfloat16", (4, 5), [Piece(0, 0, 10), Piece(1, 10, 20)]),
+               TensorPlan("b", "float32", (3,), [Piece(1, 0, 3)])]
+    plan = SyncPlan(7, 2, make_buckets(tensors, bucket_bytes=40))
+    assert [[t.name for t in b.tensors] for b in plan.buckets] == [["w"], ["b"]]
+    assert plan.buckets[0].nbytes(0) == 20 and plan.buckets[0].nbytes(1) == 20 and plan.buckets[1].nbytes(1) == 12
+    again = SyncPlan.from_json(plan.to_json())
+    assert again == plan
+    again.check()
+    for bad in ([Piece(0, 0, 10), Piece(1, 11, 20)], [Piece(0, 0, 10)], [Piece(0, 0, 12), Piece(1, 10, 20)],
+                [Piece(2, 0, 20)]):
+        with pytest.raises(ValueError, match="sync plan"):
+            SyncPlan(1, 2, [Bucket([TensorPlan("w", "bfloat16", (4, 5), bad)])]).check()

