@@ -158,9 +158,10 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
     dist-sr weight-transfer backend; it waits for the first snapshot to exist."""
     f = cfg.rollout.vllm
     model = cfg.model.path or f"{snapshot_dir(cfg)}/current"
-    serve = (f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} "
+    serve = (f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
              f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
-             f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}'")
+             f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
+             f"--worker-extension-cls dist_sr.rollout.vllm_plugin.WorkerExtension")
     wait = f"until [ -e {model}/config.json ]; do echo waiting for {model}; sleep 5; done; " \
         if cfg.model.path is None else ""
     return ["/bin/sh", "-c", wait + serve]

@@ -113,7 +113,9 @@ class FleetConfig:
     transport: str = "broadcast"      # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
     bucket_mb: float = 64.0           # gather/send granularity
     timeout_s: float = 120.0          # per collective and per HTTP call; an engine that exceeds it is dropped
-    snapshot_dir: str | None = None   # versioned safetensors snapshots, for engines that restart
+    snapshot_dir: str | None = None   # versioned safetensors snapshots, for engines that (re)start
+    snapshot_every: int = 0           # with snapshot_dir: also every N versions (0 = only the start weights)
+    startup_timeout_s: float = 1800.0  # how long the first sync waits for an engine to come up
     max_model_len: int = 128
     gpu_memory_utilization: float = 0.85
 

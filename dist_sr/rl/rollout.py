@@ -29,7 +29,7 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
-    def sync_weights(self, version: int) -> None: ...
+    def sync_weights(self, version: int, verify: bool = True) -> None: ...
 
     def generate(self, prompts: list[str], *, samples_per_prompt: int, max_new_tokens: int,
                  temperature: float, generator: torch.Generator, with_digest: bool = False) -> Rollouts: ...
@@ -104,7 +104,7 @@ class EmbeddedEngine:
         self.digest_fn, self.stop_early = digest_fn, stop_early
         self.version = 0
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int, verify: bool = True) -> None:
         self.version = version  # same module as the trainer: nothing to copy
 
     def weight_digest(self) -> str:

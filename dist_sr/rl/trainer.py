@@ -135,8 +135,15 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         jitter_shadows_(trainer.precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
     start = (trainer.load(out_dir) or 0) if resume else 0
     g = cfg.grpo
-    rollout = (make_engine or (lambda m, t: EmbeddedEngine(m, t, digest_fn=trainer.digest, stop_early=not sharded)))(
-        trainer.module, tokenizer)
+    if make_engine is not None:
+        rollout = make_engine(trainer.module, tokenizer)
+    elif cfg.rollout.engine == "vllm":
+        from ..rollout.engine import VLLMFleetEngine
+
+        rollout = VLLMFleetEngine.from_config(cfg.rollout.vllm, trainer, tokenizer, device=device)
+    else:
+        rollout = EmbeddedEngine(trainer.module, tokenizer, digest_fn=trainer.digest, stop_early=not sharded)
+    own_digest = getattr(rollout, "trainer_digest", trainer.digest)  # the digest kind the engine reports
     writer = MetricsWriter(out_dir, keep_until_step=start if resume else None) if rank == 0 else None
     eval_set = fixed_examples(task, cfg.eval.num_prompts, cfg.eval.seed)
     per_rank = len(eval_set) // world
@@ -166,7 +173,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         rng = random.Random(step_seed(cfg.seed, step, stream("prompts")))
         examples = [task.sample(rng) for _ in range(g.prompts_per_step // world)]
         verify = cfg.rollout.verify_every > 0 and step % cfg.rollout.verify_every == 0
-        rollout.sync_weights(step - 1)
+        rollout.sync_weights(step - 1, verify=verify)
         ro = rollout.generate([e.prompt for e in examples], samples_per_prompt=g.samples_per_prompt,
                               max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                               generator=torch.Generator(device=device).manual_seed(
@@ -175,7 +182,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         answers = [e.answer for e in examples for _ in range(g.samples_per_prompt)]
         rewards = torch.tensor([task.reward(t, a) for t, a in zip(ro.texts, answers)], device=device)
         if verify:
-            trainer_digest = trainer.digest()
+            trainer_digest = own_digest()
             if ro.weight_digest != trainer_digest:
                 raise RolloutWeightMismatch(f"step {step}: rollouts were generated with weights {ro.weight_digest}, "
                                             f"but the trainer holds {trainer_digest}")

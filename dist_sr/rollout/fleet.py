@@ -211,9 +211,10 @@ class WeightSync:
         return ranges[rank][name]
 
     # ---- one sync -------------------------------------------------------------------------
-    def sync(self, version: int, on_bucket=None) -> SyncResult:
+    def sync(self, version: int, on_bucket=None, verify: bool = True) -> SyncResult:
         """Every trainer rank: send the current working weights as ``version``; ``on_bucket(i, n)``
-        is called after each bucket (progress)."""
+        is called before each bucket (progress). ``verify=False`` skips the digests (both sides):
+        engines that complete the update count as ready."""
         t0 = time.perf_counter()
         problems: list[str] = []
         for attempt in (1, 2, 3):
@@ -230,7 +231,7 @@ class WeightSync:
                 failed = self._connect(members)
             ok = not failed and self._all_ok(True)
             if ok:
-                ok, failed, sent, entries = self._transfer(version, on_bucket)
+                ok, failed, sent, entries = self._transfer(version, on_bucket, verify)
             if self._all_ok(ok):
                 break
             failed = self._bcast(failed)
@@ -242,10 +243,10 @@ class WeightSync:
             self.members = []  # rebuild the group with the survivors
         else:
             raise NoReadyEngineError(f"weight sync {version} failed three times: {problems[-6:]}")
-        digest = combine(entries) if self.rank == 0 else ""
+        digest = combine(entries) if self.rank == 0 and verify else ""
         ready = []
         if self.rank == 0:
-            ready, bad = self._verify(version, entries)
+            ready, bad = self._verify(version, entries if verify else None)
             problems += bad
         ready = self._bcast(ready)
         self.last = SyncResult(version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems)
@@ -253,9 +254,10 @@ class WeightSync:
             raise NoReadyEngineError(f"after weight sync {version} no engine holds the trainer's weights: {problems}")
         return self.last
 
-    def _transfer(self, version: int, on_bucket=None):
+    def _transfer(self, version: int, on_bucket=None, verify: bool = True):
         """All ranks: one attempt at moving every bucket. Returns (ok, failures, bytes, digest entries)."""
         plan = self.plan(version)
+        plan.digest = verify
         failures: list[str] = []
         threads = []
         if self.rank == 0:
@@ -281,12 +283,12 @@ class WeightSync:
                 if self.transport == "broadcast":
                     full = self.source.gather(names)  # collective on every rank
                     chunks = [full[n].reshape(-1) for n in names] if self.rank == 0 else []
-                    for n, c in zip(names if self.rank == 0 else [], chunks):
+                    for n, c in zip(names if self.rank == 0 and verify else [], chunks):
                         sums[n] = piece_sum(c, 0)
                 else:
                     pieces = self.source.local_pieces(names)
                     chunks = [bits for _, s, e, bits in pieces if e > s]
-                    for n, s, e, bits in pieces:
+                    for n, s, e, bits in pieces if verify else []:
                         if e > s:
                             sums[n] = piece_sum(bits, s)
                 if self.rank < self.senders:
@@ -306,8 +308,20 @@ class WeightSync:
                 except EngineError as exc:
                     failures.append(str(exc))
             ok = not failures
-        entries = self._gather_sums(sums, plan)
+        entries = self._gather_sums(sums, plan) if verify else {}
         return ok, failures, sent, entries
+
+    def current_digest(self) -> str:
+        """Every trainer rank: the layout-free digest of the working weights as they are now, from
+        the pieces each rank holds (no gather)."""
+        metas = self.source.metadata()
+        sums = {n: piece_sum(bits, s) for n, s, e, bits in self.source.local_pieces([m[0] for m in metas]) if e > s}
+        parts = [sums]
+        if self.world > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, sums, group=self.trainer_group)
+        return combine({n: (d, tuple(shape), sum(p.get(n, 0) for p in parts) & ((1 << 64) - 1))
+                        for n, d, shape in metas})
 
     def _gather_sums(self, sums: dict[str, int], plan: SyncPlan) -> dict:
         parts = [sums]
@@ -320,10 +334,10 @@ class WeightSync:
                 total[n] = (total.get(n, 0) + s) & ((1 << 64) - 1)
         return {t.name: (t.dtype, tuple(t.shape), total.get(t.name, 0)) for b in plan.buckets for t in b.tensors}
 
-    def _verify(self, version: int, entries: dict) -> tuple[list[str], list[str]]:
-        """Rank 0: each engine's report against the trainer's digest entries; only matching
-        engines are resumed and marked ready."""
-        expected = {n: [d, list(s), f"{v:016x}"] for n, (d, s, v) in entries.items()}
+    def _verify(self, version: int, entries: dict | None) -> tuple[list[str], list[str]]:
+        """Rank 0: each engine's report against the trainer's digest entries (``None``: only that
+        the engine completed this version); only matching engines are resumed and marked ready."""
+        expected = None if entries is None else {n: [d, list(s), f"{v:016x}"] for n, (d, s, v) in entries.items()}
         ready, problems = [], []
         for e in self.engines:
             if e.state == "down" or e.url not in [u for u, _ in self.members]:
@@ -335,8 +349,8 @@ class WeightSync:
                 e.state, e.reason = "pending", str(exc)
                 problems.append(str(exc))
                 continue
-            bad = sorted({n for r in reports for n in set(expected) | set(r.get("digests", {}))
-                          if r.get("digests", {}).get(n) != expected.get(n)})
+            bad = [] if expected is None else sorted({n for r in reports for n in set(expected) | set(r.get("digests", {}))
+                                                      if r.get("digests", {}).get(n) != expected.get(n)})
             stale = [r.get("rank") for r in reports if str(r.get("version")) != str(version) or not r.get("complete")]
             if bad or stale:
                 e.state = "pending"

@@ -22,7 +22,7 @@ import torch
 from ..numerics.reference import _GAMMA, _MIX1, _MIX2, _shr
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18  # int64 temporaries of 2 MiB stay in cache
 _MASK = (1 << 64) - 1
 
 
@@ -76,9 +76,10 @@ class SyncPlan:
     version: int
     senders: int                       # trainer ranks that send (1 = gather-then-broadcast)
     buckets: list[Bucket]
+    digest: bool = True                # engines digest what they receive (for verification)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "senders": self.senders,
+        return {"version": self.version, "senders": self.senders, "digest": self.digest,
                 "buckets": [[[t.name, t.dtype, list(t.shape), [[p.src, p.start, p.end] for p in t.pieces]]
                              for t in b.tensors] for b in self.buckets]}
 
@@ -86,7 +87,7 @@ class SyncPlan:
     def from_json(cls, data: dict) -> "SyncPlan":
         buckets = [Bucket([TensorPlan(name, dtype, tuple(shape), [Piece(*p) for p in pieces])
                            for name, dtype, shape, pieces in b]) for b in data["buckets"]]
-        return cls(int(data["version"]), int(data["senders"]), buckets)
+        return cls(int(data["version"]), int(data["senders"]), buckets, bool(data.get("digest", True)))
 
     def check(self) -> None:
         """Every tensor covered exactly once by its pieces (no gap, no overlap)."""
@@ -118,20 +119,18 @@ def make_buckets(tensors: list[TensorPlan], bucket_bytes: int) -> list[Bucket]:
 
 
 def piece_sum(values: torch.Tensor, start: int) -> int:
-    """Layout-free digest contribution of flat ``values`` holding elements ``start..`` of a tensor."""
-    bits = values.reshape(-1)
-    if bits.dtype != torch.uint8:
-        bits = bits.view(torch.uint8)
-    width = values.element_size()
-    words = bits.view(torch.int16 if width == 2 else torch.int32 if width == 4 else torch.uint8)
+    """Layout-free digest contribution of flat ``values`` holding elements ``start..`` of a tensor:
+    the sum mod 2^64 of ``mix(index * GAMMA + bits * MIX2)`` (one multiply-xorshift round)."""
+    flat = values.reshape(-1)
+    width = flat.element_size()
+    words = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
     total = 0
+    base = torch.arange(_CHUNK, dtype=torch.int64, device=words.device)
     for s in range(0, words.numel(), _CHUNK):
-        v = words[s:s + _CHUNK].to(torch.int64) & ((1 << (8 * width)) - 1)
-        idx = torch.arange(start + s, start + s + v.numel(), dtype=torch.int64, device=v.device)
-        z = (idx * _GAMMA) ^ (v * _MIX2) ^ _GAMMA
-        z = (z ^ _shr(z, 30)) * _MIX1
-        z = (z ^ _shr(z, 27)) * _MIX2
-        z = z ^ _shr(z, 31)
+        v = words[s:s + _CHUNK].to(torch.int64)
+        z = (base[:v.numel()] + (start + s)) * _GAMMA + v * _MIX2
+        z = (z ^ _shr(z, 29)) * _MIX1
+        z = z ^ _shr(z, 32)
         total += int((z & 0xFFFFFFFF).sum()) + (int(_shr(z, 32).sum()) << 32)
     return total & _MASK
 

@@ -42,13 +42,19 @@ def broadcast(group, buffer: torch.Tensor):
     return group.broadcast([buffer], opts)
 
 
-def receive_bucket(groups: dict, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """Engine side: receive every source's buffer of ``bucket`` concurrently, then assemble the
-    full tensors (views into the buffer when a tensor arrives in one piece)."""
+def post_bucket(groups: dict, bucket: Bucket):
+    """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works)."""
     buffers, works = {}, []
     for src in bucket.sources():
         buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
         works.append(broadcast(groups[src], buffers[src]))
+    return buffers, works
+
+
+def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
+    """Wait for a posted bucket and assemble its full tensors (views into the buffer when a
+    tensor arrives in one piece)."""
+    buffers, works = posted
     for w in works:
         w.wait()
     cursor = {src: 0 for src in buffers}
@@ -68,3 +74,12 @@ def receive_bucket(groups: dict, bucket: Bucket) -> list[tuple[str, torch.Tensor
             cursor[p.src] += n
         out.append((t.name, full.view(t.shape)))
     return out
+
+
+def receive_buckets(groups: dict, buckets: list[Bucket]):
+    """Yield each bucket's tensors, receiving the next bucket while the caller loads this one."""
+    posted = post_bucket(groups, buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        current = posted
+        posted = post_bucket(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
+        yield finish_bucket(bucket, current)

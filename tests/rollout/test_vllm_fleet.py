@@ -15,7 +15,7 @@ from dist_sr.rollout.fleet import NoReadyEngineError, WeightSync
 from dist_sr.rollout.plan import combine, tensor_sums
 from dist_sr.rollout.sources import ReplicatedSource
 from tests.dist_utils import run_workers
-from tests.rollout.engines import EngineProcess, complete, free_port, require_vllm, save_tiny_model
+from dist_sr.rollout.local_engine import EngineProcess, complete, free_port, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 2, 3, 4, 5, 10], [9, 8, 7, 10], [0, 0, 1, 10], [3, 1, 4, 1, 5, 9, 2, 10]]
@@ -23,7 +23,8 @@ PROMPTS = [[1, 2, 3, 4, 5, 10], [9, 8, 7, 10], [0, 0, 1, 10], [3, 1, 4, 1, 5, 9,
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    require_vllm()
+    if vllm_missing():
+        pytest.skip(f"vLLM engine tests: {vllm_missing()}")
     root = tmp_path_factory.mktemp("fleet")
     model_dir = save_tiny_model(root / "model-v0")
     engines = {"a": EngineProcess(model_dir, tp=1, log_dir=root, name="a"),
@@ -100,6 +101,26 @@ def test_a_digest_mismatch_names_the_engine_and_tensor_and_stops_its_traffic(fle
     assert ws.sync(6).ready == [a.url]  # the next sync repairs it
 
 
+def test_grpo_trains_on_fleet_rollouts_with_the_digest_checked_every_step(fleet, tmp_path):
+    from dist_sr.rl.config import load_experiment
+    from dist_sr.rl.trainer import train
+
+    _, model_dir, engines = fleet
+    urls = [engines["a"].url, engines["b"].url]
+    cfg = load_experiment({
+        "model": {"path": str(model_dir)}, "task": {"name": "reverse", "num_digits": 3},
+        "grpo": {"steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4, "lr": 1e-2, "weight_decay": 0.1,
+                 "max_new_tokens": 5},  # decay moves the weights even while every reward is 0
+        "eval": {"every": 3, "num_prompts": 16}, "precision": {"precision": "bf16-sr", "seed": 3},
+        "rollout": {"engine": "vllm", "verify_every": 1,
+                    "vllm": {"urls": urls, "group_port": free_port(), "bucket_mb": 0.25, "timeout_s": 60}},
+        "output_dir": str(tmp_path / "run")})
+    rows = [json.loads(line) for line in train(cfg, progress=False).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["weight_version"] for r in rows[1:]] == [0, 1, 2]  # rollouts of step s used the weights after s-1
+    assert any(r["changed_frac"] > 0 for r in rows[1:])  # the weights the fleet received did move
+
+
 def _distributed_sync_worker(rank, world, data):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from dist_sr.rl.config import load_experiment
@@ -167,6 +188,12 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
     model = _trainer_model(model_dir, seed=3)
     ws = _sync(model, [a.url, b.url], bucket_mb=0.05, timeout_s=20)
     ws.sync(20)
+    from transformers import AutoTokenizer
+
+    from dist_sr.rollout.snapshot import write_snapshot
+
+    write_snapshot(ws.source, tmp_path / "snapshots", 20, config=model.config,
+                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
     def kill_b(index, total):
         if index == total // 2:
@@ -181,7 +208,8 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
     assert complete(a.url, PROMPTS[:1])  # the survivor serves version 21
 
     b.proc.wait()
-    restarted = EngineProcess(model_dir, tp=1, log_dir=tmp_path, name="b-restarted")  # stale v0 weights, TP=1
+    # restarted from the last snapshot (version 20: stale by one step), at TP=1
+    restarted = EngineProcess(tmp_path / "snapshots" / "current", tp=1, log_dir=tmp_path, name="b-restarted")
     engines["b"] = restarted
     restarted.wait_ready()
     ws.engines[1].url = restarted.url

