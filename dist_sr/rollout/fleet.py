@@ -35,10 +35,6 @@ class EngineError(RuntimeError):
     """An engine failed an HTTP call or a collective (names the engine)."""
 
 
-class WeightMismatchError(RuntimeError):
-    """An engine holds weights that differ from the trainer's (names engine and tensors)."""
-
-
 class NoReadyEngineError(RuntimeError):
     pass
 
@@ -130,7 +126,8 @@ class WeightSync:
         for e in self.engines:
             try:
                 http(e.url, "/health", timeout=min(self.timeout_s, 10), method="GET")
-                e.workers = int(http(e.url, "/get_world_size", timeout=self.timeout_s)["world_size"])
+                if e.state in ("new", "down") or not e.workers:  # a restarted engine may have a new TP size
+                    e.workers = int(http(e.url, "/get_world_size", timeout=self.timeout_s)["world_size"])
                 if e.state == "down":
                     e.state, e.reason = "pending", "restarted: waits for the current weights"
                 elif e.state == "new":
@@ -292,7 +289,7 @@ class WeightSync:
                         if e > s:
                             sums[n] = piece_sum(bits, s)
                 if self.rank < self.senders:
-                    buf = _flat_bytes(chunks, bucket.nbytes(self.rank))
+                    buf = self._pack(chunks, bucket.nbytes(self.rank))
                     broadcast(self.groups[self.rank], buf).wait()
                     sent += buf.numel()
         except RuntimeError as exc:
@@ -371,12 +368,22 @@ class WeightSync:
         return ready, problems
 
 
-def _flat_bytes(chunks: list[torch.Tensor], nbytes: int) -> torch.Tensor:
-    if len(chunks) == 1 and chunks[0].is_contiguous():
-        buf = chunks[0].reshape(-1).view(torch.uint8)
-    else:
-        buf = torch.cat([c.reshape(-1).contiguous().view(torch.uint8) for c in chunks]) if chunks else \
-            torch.empty(0, dtype=torch.uint8)
-    if buf.numel() != nbytes:
-        raise RuntimeError(f"bucket buffer has {buf.numel()} bytes, the plan says {nbytes}")
-    return buf
+    def _pack(self, chunks: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+        """One contiguous byte buffer of a bucket (a lone contiguous tensor is sent in place; the
+        staging buffer is reused across syncs, so its pages are touched once)."""
+        if len(chunks) == 1 and chunks[0].is_contiguous():
+            buf = chunks[0].reshape(-1).view(torch.uint8)
+        else:
+            staging = getattr(self, "_staging", None)
+            if staging is None or staging.numel() < nbytes:
+                self._staging = staging = torch.empty(nbytes, dtype=torch.uint8)
+            buf, at = staging[:nbytes], 0
+            for c in chunks:
+                b = c.reshape(-1).contiguous().view(torch.uint8)
+                buf[at:at + b.numel()].copy_(b)
+                at += b.numel()
+            if at != nbytes:
+                raise RuntimeError(f"bucket buffer has {at} bytes, the plan says {nbytes}")
+        if buf.numel() != nbytes:
+            raise RuntimeError(f"bucket buffer has {buf.numel()} bytes, the plan says {nbytes}")
+        return buf

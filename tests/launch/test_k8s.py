@@ -1,6 +1,7 @@
 """Rendered Kubernetes manifests: schema-valid, and consistent with the entry point they start."""
 
 import argparse
+import json
 import re
 import shlex
 from pathlib import Path
@@ -124,6 +125,9 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
     (vc,) = sts["spec"]["template"]["spec"]["containers"]
     serve = shlex.split(vc["command"][-1].split("exec ", 1)[1])
     assert serve[:2] == ["vllm", "serve"]
+    assert json.loads(serve[serve.index("--weight-transfer-config") + 1]) == {"backend": "dist_sr"}
+    assert serve[serve.index("--worker-extension-cls") + 1] == "dist_sr.rollout.vllm_plugin.WorkerExtension"
+    assert serve[serve.index("--dtype") + 1] == "bfloat16"
     assert serve[serve.index("--port") + 1] == str(fleet.port) == str(vc["ports"][0]["containerPort"])
     assert serve[serve.index("--tensor-parallel-size") + 1] == str(fleet.tensor_parallel_size)
     assert vc["resources"]["limits"]["nvidia.com/gpu"] == fleet.tensor_parallel_size
