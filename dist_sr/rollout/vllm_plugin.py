@@ -65,6 +65,7 @@ class DistSRWeightTransferEngine(_engine_base()):
                                "or use vLLM's own 'nccl' backend with gather-then-broadcast")
         super().__init__(config, vllm_config, device, model)
         self.receiver = WeightReceiver()
+        self.reload_open = False  # a layerwise reload was started and not finalised
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         pc = self.parallel_config
@@ -73,10 +74,21 @@ class DistSRWeightTransferEngine(_engine_base()):
                  init_info.world_size, init_info.senders, init_info.generation)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        if self.reload_open:
+            # The previous update failed between start and finish (a peer died, a timeout): close
+            # that reload first. Starting a second one over it leaves parameters without their
+            # weight loaders. Every weight is sent again in this update, so nothing partial stays.
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as exc:
+                raise RuntimeError(f"cannot recover from the interrupted weight update ({exc}); restart this "
+                                   "engine: the trainer then resyncs it before it serves") from exc
+            self.reload_open = False
         self.receiver.start()
         initialize_layerwise_reload(self.model)
+        self.reload_open = True
 
     def receive_weights(self, update_info: DistSRUpdateInfo) -> None:
         self.receiver.receive(update_info.plan, self.model.load_weights)
@@ -85,6 +97,7 @@ class DistSRWeightTransferEngine(_engine_base()):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self.reload_open = False
         self.receiver.finish()
 
     def update_weights(self, update_info) -> None:
