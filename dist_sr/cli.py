@@ -11,18 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import yaml
-
-
-def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
-        key, value = pair.split("=", 1)
-        out[key] = yaml.safe_load(value)
-    return out
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dist-sr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return k8s_main(argv[1:])
     args = ap.parse_args(argv)
+    from .launch import parse_overrides
     from .rl.config import ConfigError
 
     try:
@@ -65,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
             from .rl.config import load_experiment
             from .rl.trainer import train
 
-            cfg = load_experiment(args.config or {}, _overrides(args.set))
+            cfg = load_experiment(args.config or {}, parse_overrides(args.set))
             path = train(cfg, progress=not args.no_progress, resume=args.resume)
             print(f"metrics: {path}")
         elif args.command == "compare":
             from .rl.compare import load_compare, run_comparison, write_report
 
-            cfg = load_compare(args.config, _overrides(args.set))
+            cfg = load_compare(args.config, parse_overrides(args.set))
             report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
             print(report.read_text())
             print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")

@@ -70,7 +70,8 @@ class Plan:
                 f"rollout={self.config.rollout.engine} output_dir={self.config.output_dir}")
 
 
-def _overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
+    """``--set KEY=VALUE`` pairs as a dict, values parsed as YAML."""
     out = {}
     for pair in pairs:
         if "=" not in pair:
@@ -98,7 +99,7 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         cuda = torch.cuda.is_available()
     if args.config and not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: no such file")
-    overrides = _overrides(args.set)
+    overrides = parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
     if args.deepspeed_config:

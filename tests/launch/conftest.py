@@ -1,21 +1,15 @@
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.dist_utils import free_port  # noqa: F401  (re-exported for the launch tests)
 from tests.rl.conftest import EASY
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # torchrun / deepspeed / dist-sr of this environment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_experiment(path: Path, **sections) -> Path:
