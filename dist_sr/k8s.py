@@ -79,7 +79,6 @@ def cluster_config(cfg: ExperimentConfig) -> tuple[dict, dict | None]:
         fleet["urls"] = fleet_urls(cfg)
         fleet["group_host"] = master_addr(cfg)
         fleet["snapshot_dir"] = snapshot_dir(cfg)
-    data["precision"] = dict(data["precision"])
     return data, ds
 
 

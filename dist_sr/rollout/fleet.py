@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -182,21 +183,19 @@ class WeightSync:
     def plan(self, version: int) -> SyncPlan:
         tensors = []
         for name, dtype, shape in self.source.metadata():
-            numel = 1
-            for s in shape:
-                numel *= s
             if self.transport == "broadcast":
-                pieces = [Piece(0, 0, numel)]
+                pieces = [Piece(0, 0, math.prod(shape))]
             else:
-                pieces = [Piece(r, *self._range_of(name, numel, r)) for r in range(self.world)]
+                pieces = [Piece(r, *self._range_of(name, r)) for r in range(self.world)]
                 pieces = [p for p in pieces if p.end > p.start] or [Piece(0, 0, 0)]
             tensors.append(TensorPlan(name, dtype, tuple(shape), pieces))
         plan = SyncPlan(version, self.senders, make_buckets(tensors, self.bucket_bytes))
         plan.check()
         return plan
 
-    def _range_of(self, name: str, numel: int, rank: int) -> tuple[int, int]:
-        """Rank ``rank``'s flat range of ``name`` (known on every rank without communication)."""
+    def _range_of(self, name: str, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s flat range of ``name`` (the ranks exchange their ranges once, at the
+        first shard-direct plan; the layout does not change during training)."""
         ranges = getattr(self, "_ranges", None)
         if ranges is None:
             mine = {n: (s, e) for n, s, e, _ in self.source.local_pieces([m[0] for m in self.source.metadata()])}
@@ -267,9 +266,9 @@ class WeightSync:
             if failures:
                 return False, failures, 0, {}
             update_timeout = self.timeout_s * (1 + len(plan.buckets))
+            body = {"update_info": {"plan": plan.to_json()}}
             for url, _ in self.members:
-                threads.append(self._call_async(url, "/update_weights", {"update_info": {"plan": plan.to_json()}},
-                                                failures, timeout=update_timeout))
+                threads.append(self._call_async(url, "/update_weights", body, failures, timeout=update_timeout))
         sums: dict[str, int] = {}
         sent = 0
         try:
@@ -279,15 +278,12 @@ class WeightSync:
                 names = [t.name for t in bucket.tensors]
                 if self.transport == "broadcast":
                     full = self.source.gather(names)  # collective on every rank
-                    chunks = [full[n].reshape(-1) for n in names] if self.rank == 0 else []
-                    for n, c in zip(names if self.rank == 0 and verify else [], chunks):
-                        sums[n] = piece_sum(c, 0)
+                    pieces = [(n, 0, full[n].numel(), full[n].reshape(-1)) for n in names] if self.rank == 0 else []
                 else:
-                    pieces = self.source.local_pieces(names)
-                    chunks = [bits for _, s, e, bits in pieces if e > s]
-                    for n, s, e, bits in pieces if verify else []:
-                        if e > s:
-                            sums[n] = piece_sum(bits, s)
+                    pieces = [p for p in self.source.local_pieces(names) if p[2] > p[1]]
+                chunks = [bits for _, _, _, bits in pieces]
+                if verify:
+                    sums.update({n: piece_sum(bits, s) for n, s, _, bits in pieces})
                 if self.rank < self.senders:
                     buf = self._pack(chunks, bucket.nbytes(self.rank))
                     broadcast(self.groups[self.rank], buf).wait()
@@ -305,7 +301,7 @@ class WeightSync:
                 except EngineError as exc:
                     failures.append(str(exc))
             ok = not failures
-        entries = self._gather_sums(sums, plan) if verify else {}
+        entries = self._gather_sums(sums, self.source.metadata()) if verify else {}
         return ok, failures, sent, entries
 
     def current_digest(self) -> str:
@@ -313,23 +309,16 @@ class WeightSync:
         the pieces each rank holds (no gather)."""
         metas = self.source.metadata()
         sums = {n: piece_sum(bits, s) for n, s, e, bits in self.source.local_pieces([m[0] for m in metas]) if e > s}
-        parts = [sums]
-        if self.world > 1:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, sums, group=self.trainer_group)
-        return combine({n: (d, tuple(shape), sum(p.get(n, 0) for p in parts) & ((1 << 64) - 1))
-                        for n, d, shape in metas})
+        return combine(self._gather_sums(sums, metas))
 
-    def _gather_sums(self, sums: dict[str, int], plan: SyncPlan) -> dict:
+    def _gather_sums(self, sums: dict[str, int], metas) -> dict:
+        """Digest entries ``{name: (dtype, shape, sum)}`` of every tensor in ``metas``, adding up
+        the partial sums of all trainer ranks."""
         parts = [sums]
         if self.world > 1:
             parts = [None] * self.world
             dist.all_gather_object(parts, sums, group=self.trainer_group)
-        total: dict[str, int] = {}
-        for part in parts:
-            for n, s in part.items():
-                total[n] = (total.get(n, 0) + s) & ((1 << 64) - 1)
-        return {t.name: (t.dtype, tuple(t.shape), total.get(t.name, 0)) for b in plan.buckets for t in b.tensors}
+        return {n: (d, tuple(shape), sum(p.get(n, 0) for p in parts) & ((1 << 64) - 1)) for n, d, shape in metas}
 
     def _verify(self, version: int, entries: dict | None) -> tuple[list[str], list[str]]:
         """Rank 0: each engine's report against the trainer's digest entries (``None``: only that

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .plan import SyncPlan, piece_sum
+from .plan import SyncPlan, tensor_sums
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ class WeightReceiver:
             raise RuntimeError(f"sync plan has {plan.senders} sender(s) but this engine joined {len(self.groups)}")
         for tensors in receive_buckets(self.groups, plan.buckets):  # bucket i+1 arrives while i loads
             if plan.digest:
-                for name, t in tensors:
-                    self.received[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), piece_sum(t, 0))
+                self.received.update(tensor_sums(dict(tensors)))
             load(tensors)
         self.state["version"] = plan.version
 

@@ -17,9 +17,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
-from .plan import piece_sum
 from .receiver import InitInfo, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -118,9 +115,3 @@ class WorkerExtension:
         if not isinstance(engine, DistSRWeightTransferEngine):
             return {"version": None, "digests": {}, "complete": False, "backend": type(engine).__name__}
         return engine.receiver.report()
-
-
-def tensor_report(named: dict[str, torch.Tensor]) -> dict:
-    """The same report for local tensors (tests, snapshots)."""
-    return {n: [str(t.dtype).removeprefix("torch."), list(t.shape), f"{piece_sum(t.contiguous(), 0):016x}"]
-            for n, t in named.items()}
