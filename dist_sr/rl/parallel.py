@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -176,21 +177,77 @@ class FSDP2Engine:
             digests[name] = tensor_digest(master)
         return combined_digest(digests)
 
-    def save(self, path: Path, step: int) -> None:
-        import torch.distributed.checkpoint as dcp
+    KEEP = 2  # checkpoints kept under <run>/fsdp2/
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         from ..integrations import fsdp2
 
-        dcp.save({"model": fsdp2.sharded_state_dict(self.module)}, checkpoint_id=str(path / "fsdp2"))
+        return {"model": fsdp2.sharded_state_dict(self.module),
+                "optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+
+    def save(self, path: Path, step: int) -> None:
+        """Sharded checkpoint of the FP32 masters, the optimizer state and the rounding key's step
+        (``torch.distributed.checkpoint``: every rank writes its shards, any world size reads them).
+
+        Written to ``fsdp2/step<N>.tmp`` and renamed by rank 0 once every rank has finished; then
+        ``fsdp2/latest`` is replaced atomically. A crash at any point leaves the previous
+        checkpoint as the one ``load`` finds. ``path`` must be shared by all ranks (a multi-node
+        run puts the run directory on a shared volume).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        root = path / "fsdp2"
+        final, tmp = root / f"step{step}", root / f"step{step}.tmp"
         if self.rank == 0:
-            (path / "fsdp2" / "dist_sr.json").write_text(json.dumps(
-                {"step": step, "sr": self.ctx.state_dict() if self.ctx else None}))
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        dcp.save(self._state(), checkpoint_id=str(tmp))
+        digest = self.digest()  # collective: every rank takes part
+        dist.barrier()  # every rank's shards are on disk
+        if self.rank == 0:
+            meta = {"step": step, "world": self.world, "digest": digest, "sr": self.ctx.state_dict() if self.ctx else None}
+            _write_atomic(tmp / "dist_sr.json", json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after its rename
+            os.replace(tmp, final)
+            _write_atomic(root / "latest", final.name)
+            done = sorted((d for d in root.glob("step*") if d.is_dir() and not d.name.endswith(".tmp")),
+                          key=lambda d: int(d.name[4:]))
+            for old in done[:-self.KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()  # nobody returns (or reads 'latest') before the rename
 
     def load(self, path: Path) -> int | None:
-        if (path / "fsdp2" / "dist_sr.json").exists():
-            raise NotImplementedError("resuming an FSDP2 run (optimizer state) is not implemented yet; "
-                                      "the saved masters load with torch.distributed.checkpoint")
-        return None
+        """Resume from ``fsdp2/latest`` (written at any world size); checks that the working
+        weights re-derived from the loaded masters have the digest recorded at save time."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        latest = path / "fsdp2" / "latest"
+        if not latest.exists():
+            return None
+        ckpt = path / "fsdp2" / latest.read_text().strip()
+        meta = json.loads((ckpt / "dist_sr.json").read_text())
+        if (meta["sr"] is None) != (self.ctx is None):
+            raise ConfigError(f"{ckpt} was saved {'without' if meta['sr'] is None else 'with'} SR; resume it with "
+                              "the precision it was trained with")
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(ckpt))  # in place into the masters, resharded if the world changed
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        if self.ctx is not None:
+            self.ctx.load_state_dict(meta["sr"])  # the key's step; invalidates cached rounded shards
+        digest = self.digest()
+        if digest != meta["digest"]:
+            raise RuntimeError(f"{ckpt}: working weights re-derived from the loaded masters have digest {digest}, "
+                               f"the checkpoint recorded {meta['digest']} (saved by {meta['world']} ranks)")
+        return int(meta["step"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def make_engine(cfg: ExperimentConfig, model):
