@@ -127,15 +127,32 @@ class DeepSpeedEngine:
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             return combined_digest(weight_digests(params))
 
+    KEEP = 2  # checkpoint tags kept under <run>/deepspeed/
+
     def save(self, path: Path, step: int) -> None:
-        self.engine.save_checkpoint(str(path / "deepspeed"), tag=f"step{step}", client_state={"dist_sr_step": step})
+        """DeepSpeed's own checkpoint (it writes ``latest`` only after the tag is complete) plus
+        the working weights' digest; tags beyond the newest ``KEEP`` are removed."""
+        digest = self.digest()
+        root = path / "deepspeed"
+        self.engine.save_checkpoint(str(root), tag=f"step{step}",
+                                    client_state={"dist_sr_step": step, "dist_sr_digest": digest})
+        dist.barrier()
+        if self.rank == 0:
+            tags = sorted((d for d in root.glob("step*") if d.is_dir()), key=lambda d: int(d.name[4:]))
+            for old in tags[:-self.KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
 
     def load(self, path: Path) -> int | None:
         if not (path / "deepspeed" / "latest").exists():
             return None
-        _, client = self.engine.load_checkpoint(str(path / "deepspeed"))  # the tag DeepSpeed's 'latest' names
+        tag, client = self.engine.load_checkpoint(str(path / "deepspeed"))  # the tag DeepSpeed's 'latest' names
         if self.meter is not None:
             self.meter.sync_previous()
+        digest = self.digest()
+        if "dist_sr_digest" in client and digest != client["dist_sr_digest"]:
+            raise RuntimeError(f"{tag}: working weights after loading have digest {digest}, the checkpoint recorded "
+                               f"{client['dist_sr_digest']}")
         return int(client["dist_sr_step"])
 
 

@@ -64,9 +64,9 @@ def test_run_resumes_on_the_same_metric_curve(distributed, warmup_cache, tmp_pat
     data.update(precision="bf16-sr", distributed=distributed)
     run_workers(_resume_worker, 2, data, str(tmp_path / "a"), str(tmp_path / "b"))
     assert _metrics(tmp_path / "b") == _metrics(tmp_path / "a")
-    if distributed["engine"] == "fsdp2":
-        ckpts = sorted(p.name for p in (tmp_path / "b" / "fsdp2").iterdir())
-        assert ckpts == ["latest", "step4", "step8"], ckpts  # two kept, no temporaries left
+    root = tmp_path / "b" / distributed["engine"]
+    ckpts = sorted(p.name for p in root.iterdir() if p.name.startswith(("step", "latest")))
+    assert ckpts == ["latest", "step4", "step8"], ckpts  # two kept, no temporaries left
 
 
 def _reshard_worker(rank, world_size, data, run_dir):
@@ -91,3 +91,17 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(warmup_cache, tmp_path):
         rows = _metrics(run_dir)
         assert [r["step"] for r in rows][-2:] == [4, 5]
         assert rows[:-1] == _metrics(tmp_path / "a")
+
+
+def test_fsdp2_checkpoint_whose_weights_changed_is_refused(warmup_cache, tmp_path):
+    data = {k: dict(v) for k, v in EASY.items()}
+    data["warmup"]["cache_dir"] = warmup_cache
+    data["grpo"]["steps"] = 2
+    data.update(precision="bf16-sr", distributed={"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}})
+    run_workers(_train_worker, 2, {**data, "output_dir": str(tmp_path / "a")})
+    meta_path = tmp_path / "a" / "fsdp2" / "step2" / "dist_sr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sr"]["step"] += 1  # the masters would round with another step's bits
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(AssertionError, match="working weights re-derived from the loaded masters have digest"):
+        run_workers(_reshard_worker, 1, {**data, "grpo": {**data["grpo"], "steps": 3}}, str(tmp_path / "a"))
