@@ -4,6 +4,7 @@
     dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG)
     dist-sr key NAME --seed S --step T   print a parameter's stream key
     dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/k8s.py)
+    dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     p_k8s = sub.add_parser("k8s", help="render Kubernetes manifests from an experiment config", add_help=False)
     p_k8s.add_argument("args", nargs=argparse.REMAINDER)
 
+    p_hook = sub.add_parser("deepspeed-hook", help="install|uninstall|status of the deepspeed.initialize hook",
+                            add_help=False)
+    p_hook.add_argument("args", nargs=argparse.REMAINDER)
+
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["deepspeed-hook"]:
+        import dist_sr_deepspeed_hook
+
+        return dist_sr_deepspeed_hook.main(argv[1:])
     if argv[:1] == ["k8s"]:
         from .k8s import main as k8s_main
 

@@ -26,3 +26,7 @@ mkdir -p .venv/dist-sr
 echo "torch==$torch_version" > .venv/dist-sr/constraints.txt
 echo "setup: torch $torch_version held; installing dist-sr[$extras]"
 "${pip[@]}" install -c .venv/dist-sr/constraints.txt -e ".[$extras]"
+if .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('deepspeed') is None)"; then
+  # unmodified scripts that call deepspeed.initialize honour the JSON's "stochastic_rounding" block
+  .venv/bin/dist-sr deepspeed-hook install
+fi

@@ -102,20 +102,77 @@ def split_config(config: dict | str | Path) -> tuple[dict, SRConfig | None]:
     return config, (sr if sr.enabled else None)
 
 
-def initialize(*args: Any, config: dict | str | Path | None = None, **kwargs: Any):
-    """``deepspeed.initialize`` that reads the ``"stochastic_rounding"`` block of the config and
-    attaches SR to the engine; returns what ``deepspeed.initialize`` returns."""
+def initialize(*args: Any, **kwargs: Any):
+    """``deepspeed.initialize`` that reads the ``"stochastic_rounding"`` block of the config
+    (given as ``config``, ``config_params`` or ``args.deepspeed_config``, a dict or a JSON path)
+    and attaches SR to the engine; returns what ``deepspeed.initialize`` returns."""
     import deepspeed
 
-    sr = None
-    if config is not None:
-        config, sr = split_config(config)
-    if sr is not None:
+    return hooked_initialize(getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize))(*args, **kwargs)
+
+
+def hooked_initialize(original):
+    """Wrap ``deepspeed.initialize``: a call whose config has no enabled SR block goes to
+    ``original`` unchanged; otherwise the block is removed, the rest is passed as ``config`` (and
+    ``args.deepspeed_config`` cleared on a copy of ``args``), and SR is attached to the engine.
+    Installed for unmodified scripts by ``dist-sr deepspeed-hook install``."""
+    import functools
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any):
+        sr, args, kwargs = _take_sr_block(args, kwargs)
+        if sr is None:
+            return original(*args, **kwargs)
         check_version()  # before any work is done
-    result = deepspeed.initialize(*args, config=config, **kwargs)
-    if sr is not None:
+        result = original(*args, **kwargs)
         attach(result[0], seed=sr.seed, mode=sr.mode)
-    return result
+        return result
+
+    wrapper.__dist_sr_hook__ = True
+    return wrapper
+
+
+def _take_sr_block(args: tuple, kwargs: dict) -> tuple[SRConfig | None, tuple, dict]:
+    """Find the DeepSpeed config the way ``deepspeed.initialize`` does; if it has our block, return
+    it and the call's arguments with the block removed."""
+    ds_args = kwargs["args"] if "args" in kwargs else (args[0] if args else None)
+    from_args = None
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if getattr(ds_args, attr, None) is not None:
+            from_args = attr
+    config = kwargs.get("config")
+    if config is None:
+        config = kwargs.get("config_params")
+    if config is not None and from_args is not None:
+        return None, args, kwargs  # DeepSpeed refuses a config given twice; let it say so
+    if config is None and from_args is not None:
+        config = getattr(ds_args, from_args)
+    if config is None:
+        return None, args, kwargs
+    if not isinstance(config, dict):
+        config = _load_ds_config(config)
+    if CONFIG_KEY not in config:
+        return None, args, kwargs
+    config, sr = split_config(config)
+    kwargs = {k: v for k, v in kwargs.items() if k != "config_params"}
+    kwargs["config"] = config  # the block disabled still has to go: DeepSpeed would ignore it anyway
+    if from_args is not None:
+        ds_args = copy.copy(ds_args)
+        setattr(ds_args, from_args, None)
+        if "args" in kwargs:
+            kwargs["args"] = ds_args
+        else:
+            args = (ds_args, *args[1:])
+    return sr, args, kwargs
+
+
+def _load_ds_config(config) -> dict:
+    """A config path (JSON, or HJSON as DeepSpeed accepts) or base64 string, read as DeepSpeed reads it."""
+    try:
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    except ImportError:  # pragma: no cover - other DeepSpeed versions are refused before use anyway
+        return json.loads(Path(config).read_text())
+    return copy.deepcopy(load_ds_config(str(config)))
 
 
 def attach(engine, *, seed: int, mode: str = "stochastic") -> "DeepSpeedSR":
