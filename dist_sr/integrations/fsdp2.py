@@ -195,6 +195,34 @@ def shard_layout(orig_size: tuple[int, ...], local_shape: tuple[int, ...], world
     return rank * chunk * inner, orig_size[dim] * inner, padded
 
 
+def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
+    """``(local tensor, global flat offset, rows)`` of a parameter: itself for a plain tensor; for
+    a DTensor, its local shard placed in the full tensor (``torch.chunk`` semantics, as FSDP2 and
+    DTensor shard). Any number of ``Replicate`` mesh dims and at most one ``Shard`` are supported
+    (FSDP2, HSDP). ``rows = (row_len, row_stride)`` marks a shard on a non-leading dim: viewed as
+    ``[-1, row_len]``, its row ``r`` starts at global ``offset + r * row_stride``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return p, 0, None
+    local = p.to_local()
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not shards:
+        return local, 0, None
+    if len(shards) > 1 or not isinstance(shards[0][1], Shard):
+        raise NotImplementedError(f"keyed rounding of a DTensor with placements {p.placements}: one Shard "
+                                  "(any number of Replicate) is supported")
+    mesh_dim, placement = shards[0]
+    world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+    dim, shape = placement.dim, tuple(p.shape)
+    chunk = math.ceil(shape[dim] / world) if shape[dim] else 0
+    inner = math.prod(shape[dim + 1:])
+    offset = min(coord * chunk, shape[dim]) * inner
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return local, offset, None
+    return local, offset, (local.shape[dim] * inner, shape[dim] * inner)
+
+
 def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: str = "auto") -> SRContext:
     """Wrap every FP32 trainable parameter of ``model`` in ``SRShadowParam``; call before ``fully_shard``.
 
@@ -263,6 +291,19 @@ class FSDP2Config:
         return cls(**data)
 
 
+def pure_bf16_optimizer(model: nn.Module, precision, **adamw_kwargs):
+    """``AdamWSR`` over a model sharded by ``apply_fsdp2(model, "bf16-pure-sr")``: each rank
+    updates its BF16 shards; the bits equal the unsharded ``AdamWSR`` at any world size."""
+    from ..optim import AdamWSR
+    from ..precision import PrecisionConfig
+
+    if not isinstance(precision, PrecisionConfig):
+        precision = PrecisionConfig.from_dict(precision)
+    named = [(normalize_param_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    return AdamWSR(named, seed=precision.seed, moment_dtype=precision.moment_dtype, backend=precision.backend,
+                   **adamw_kwargs)
+
+
 def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None = None) -> SRContext | None:
     """``fully_shard`` every module whose class name is in ``config.shard_modules``, then the root,
     with the behaviour the precision switch selects. Returns the ``SRContext`` (track your
@@ -270,11 +311,14 @@ def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None =
 
     fp32: plain FSDP2. fp16: FP16 all-gather (round-to-nearest), FP32 reduction. bf16 /
     bf16-sr / bf16-dither: FP32 sharded masters, BF16 all-gather rounded by the key (``nearest``,
-    ``stochastic``, ``dither``), FP32 reduction. bf16-pure-sr: refused (FSDP2 shards a master).
+    ``stochastic``, ``dither``), FP32 reduction. bf16-pure-sr: no master at all: the trainable
+    parameters become BF16 (round-to-nearest, as a BF16 checkpoint would be) and are sharded as
+    they are, gradients reduce in FP32; pair it with ``AdamWSR`` (``pure_bf16_optimizer``), which
+    updates each BF16 shard in place with keys from the shard's global offsets.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..precision import PrecisionConfig, PrecisionConfigError
+    from ..precision import PrecisionConfig
 
     if not isinstance(precision, PrecisionConfig):
         precision = PrecisionConfig.from_dict(precision)
@@ -283,8 +327,13 @@ def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None =
     p = precision.precision
     ctx = None
     if p == "bf16-pure-sr":
-        raise PrecisionConfigError("precision bf16-pure-sr keeps no FP32 master; with FSDP2 use bf16-sr")
-    if p == "fp32":
+        for name, param in model.named_parameters():
+            if param.requires_grad and param.is_floating_point():
+                if hasattr(param, "_local_tensor"):
+                    raise ValueError(f"{name!r} is already sharded: apply_fsdp2 before fully_shard")
+                param.data = param.data.to(torch.bfloat16)
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    elif p == "fp32":
         policy = MixedPrecisionPolicy()
     elif p == "fp16":
         policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)

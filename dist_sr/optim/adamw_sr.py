@@ -74,27 +74,40 @@ class AdamWSR(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 state["step"] += 1
                 t = state["step"]
-                g = p.grad.to(torch.float32)
-                m = state["exp_avg"].to(torch.float32).lerp_(g, 1 - beta1)
-                v = state["exp_avg_sq"].to(torch.float32).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                # a sharded (DTensor) parameter updates its local shard, keyed by global indices
+                local, offset, rows = _local_shard(p)
+                if not local.numel():
+                    continue
+                shape, row_stride = ((-1, rows[0]), rows[1]) if rows else (local.shape, None)
+                local = local.view(shape)
+                g = _local_shard(p.grad)[0].view(shape).to(torch.float32)
+                exp_avg, exp_avg_sq = (_local_shard(state[k])[0].view(shape) for k in ("exp_avg", "exp_avg_sq"))
+                m = exp_avg.to(torch.float32).lerp_(g, 1 - beta1)  # in place for FP32 moments
+                v = exp_avg_sq.to(torch.float32).mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)  # torch.optim.AdamW's order
-                new = p.to(torch.float32).mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-                jobs.append(RoundingJob(name, new, p.data))
-                if self.moment_dtype == torch.float32:
-                    state["exp_avg"], state["exp_avg_sq"] = m, v
-                else:
-                    moment_jobs.append(RoundingJob(f"{name}#exp_avg", m, state["exp_avg"]))
-                    moment_jobs.append(RoundingJob(f"{name}#exp_avg_sq", v, state["exp_avg_sq"]))
+                new = local.to(torch.float32).mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                jobs.append(RoundingJob(name, new, local, offset, row_stride))
+                if self.moment_dtype != torch.float32:
+                    moment_jobs.append(RoundingJob(f"{name}#exp_avg", m, exp_avg, offset, row_stride))
+                    moment_jobs.append(RoundingJob(f"{name}#exp_avg_sq", v, exp_avg_sq, offset, row_stride))
         round_jobs(jobs + moment_jobs, seed=self.seed, step=self.step_count, mode=self.mode, backend=self.backend)
         return loss
 
+    def dist_sr_meta(self) -> dict[str, Any]:
+        """The rounding key's state, saved beside the moments."""
+        return {"seed": self.seed, "mode": self.mode, "step": self.step_count}
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["dist_sr"] = {"seed": self.seed, "mode": self.mode, "step": self.step_count}
+        sd["dist_sr"] = self.dist_sr_meta()
+        # a copy in the first group survives torch.distributed.checkpoint's optimizer state dicts,
+        # which keep only "state" and "param_groups"
+        sd["param_groups"][0]["dist_sr"] = self.dist_sr_meta()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        meta = state_dict.get("dist_sr")
+        groups = state_dict.get("param_groups") or [{}]
+        meta = state_dict.get("dist_sr", groups[0].get("dist_sr"))
         if meta is None:
             raise ValueError("state dict has no 'dist_sr' entry: it was not written by AdamWSR")
         for field in ("seed", "mode"):
@@ -105,10 +118,27 @@ class AdamWSR(torch.optim.Optimizer):
                 )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "dist_sr"})
         self.step_count = int(meta["step"])
+        for group in self.param_groups:
+            group.pop("dist_sr", None)
         # torch casts loaded floating state to the parameter's dtype (BF16): put the saved moments
         # back as they were, so FP32 moments survive a reload bit for bit
-        params = [p for group in self.param_groups for p in group["params"]]
+        # (keys are whatever the saved groups list: indices, or FQNs from torch.distributed.checkpoint)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
         for index, saved in state_dict["state"].items():
             p = params[index]
             for key in ("exp_avg", "exp_avg_sq"):
                 self.state[p][key] = saved[key].to(device=p.device, dtype=self.moment_dtype, copy=True)
+
+
+def _local_shard(t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
+    """The tensor to update in place, with its global offset (see ``fsdp2.local_shard``)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        DTensor = ()
+    if isinstance(t, DTensor):
+        from ..integrations.fsdp2 import local_shard
+
+        return local_shard(t)
+    return t.data if isinstance(t, torch.nn.Parameter) else t, 0, None

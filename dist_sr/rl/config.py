@@ -215,9 +215,9 @@ class ExperimentConfig:
             raise ConfigError("shadow_jitter needs FP32 shadows: precision fp16, bf16, bf16-sr or bf16-dither")
         if self.shadow_jitter and self.distributed.engine != "single":
             raise ConfigError("shadow_jitter is a single-process control run; use distributed.engine=single")
-        if self.precision.precision == "bf16-pure-sr" and self.distributed.engine != "single":
-            raise ConfigError("precision bf16-pure-sr keeps no FP32 master, which DeepSpeed and FSDP2 shard; "
-                              "use bf16-sr, or distributed.engine=single")
+        if self.precision.precision == "bf16-pure-sr" and self.distributed.engine == "deepspeed":
+            raise ConfigError("precision bf16-pure-sr keeps no FP32 master, which DeepSpeed always shards; "
+                              "use bf16-sr with DeepSpeed, or distributed.engine=fsdp2 or single")
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

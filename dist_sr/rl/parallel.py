@@ -166,8 +166,11 @@ class FSDP2Engine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ctx = fsdp2.apply_fsdp2(model, cfg.precision, cfg.distributed.fsdp2)
         self.module, self.max_grad_norm = model, g.max_grad_norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=g.betas, eps=g.eps,
-                                           weight_decay=g.weight_decay, foreach=True)
+        hyper = dict(lr=g.lr, betas=g.betas, eps=g.eps, weight_decay=g.weight_decay)
+        if cfg.precision.precision == "bf16-pure-sr":  # BF16 shards, no master: AdamWSR per shard
+            self.optimizer = fsdp2.pure_bf16_optimizer(model, cfg.precision, **hyper)
+        else:
+            self.optimizer = torch.optim.AdamW(model.parameters(), foreach=True, **hyper)
         if self.ctx is not None:
             self.ctx.track(self.optimizer)
         self.meter = None  # the working weights exist only inside forward
@@ -224,7 +227,8 @@ class FSDP2Engine:
         digest = self.digest()  # collective: every rank takes part
         dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:
-            meta = {"step": step, "world": self.world, "digest": digest, "sr": self.ctx.state_dict() if self.ctx else None}
+            meta = {"step": step, "world": self.world, "digest": digest, "sr": self.ctx.state_dict() if self.ctx else None,
+                    "optimizer": getattr(self.optimizer, "dist_sr_meta", lambda: None)()}
             _write_atomic(tmp / "dist_sr.json", json.dumps(meta, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after its rename
             os.replace(tmp, final)

@@ -187,11 +187,77 @@ def test_precision_switch_selects_the_fsdp2_behaviour(precision):
     run_workers(_switch_worker, 2, precision)
 
 
-def test_fsdp2_config_errors():
-    from dist_sr import PrecisionConfigError
+def _pure_worker(rank, world_size, precision, out_dir):
+    """bf16-pure-sr on FSDP2: BF16 shards updated by AdamWSR with the shards' global offsets."""
+    from torch.distributed.tensor import DTensor
+
     from dist_sr.integrations import fsdp2
 
-    with pytest.raises(PrecisionConfigError, match="keeps no FP32 master"):
-        fsdp2.apply_fsdp2(tiny_qwen2(), "bf16-pure-sr")
+    model = tiny_qwen2()
+    assert fsdp2.apply_fsdp2(model, precision, {"shard_modules": ["Qwen2DecoderLayer"]}) is None
+    opt = fsdp2.pure_bf16_optimizer(model, precision, lr=1e-3)
+    train(model, opt, STEPS)
+    full = {}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.dtype == torch.bfloat16, name  # no FP32 copy anywhere
+        full[name] = p.full_tensor()
+    for state in opt.state.values():
+        assert state["exp_avg"].dtype == opt.moment_dtype and isinstance(state["exp_avg"], DTensor)
+    if rank == 0:
+        (out_dir / f"pure-world{world_size}.json").write_text(
+            json.dumps({n: tensor_digest(t) for n, t in full.items()}, sort_keys=True))
+
+
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_pure_bf16_adamw_sr_sharded_equals_unsharded_at_world_sizes_1_2_4(moment_dtype, tmp_path):
+    """The sharded pure-BF16 run holds, bit for bit, the weights of the single-process AdamWSR."""
+    from dist_sr import apply_precision
+    from dist_sr.optim import AdamWSR
+
+    precision = {"precision": "bf16-pure-sr", "seed": SEED, "moment_dtype": moment_dtype}
+    for world_size in (1, 2, 4):
+        run_workers(_pure_worker, world_size, precision, tmp_path)
+    model = tiny_qwen2()
+    tp = apply_precision(model, precision, AdamWSR, lr=1e-3)
+    train(model, tp.optimizer, STEPS)
+    expected = {n: tensor_digest(p.detach()) for n, p in model.named_parameters()}
+    for world_size in (1, 2, 4):
+        assert json.loads((tmp_path / f"pure-world{world_size}.json").read_text()) == expected, world_size
+
+
+def _column_shard_worker(rank, world_size):
+    """AdamWSR on DTensors sharded on a non-leading dim (uneven, one empty shard) == unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dist_sr.optim import AdamWSR
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w2d": (6, 10), "w3d": (2, 5, 3), "tiny": (4, 2)}  # 2 columns over 4 ranks: two empty shards
+    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()} for _ in range(3)]
+    plain = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    sharded = {n: torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(1)])) for n, t in full.items()}
+    opts = [AdamWSR(list(ps.items()), lr=1e-2, seed=9, moment_dtype="bf16") for ps in (plain, sharded)]
+    for step_grads in grads:
+        for n in shapes:
+            plain[n].grad = step_grads[n].clone()
+            sharded[n].grad = distribute_tensor(step_grads[n].clone(), mesh, [Shard(1)])
+        for opt in opts:
+            opt.step()
+    for n in shapes:
+        assert torch.equal(sharded[n].full_tensor().view(torch.int16), plain[n].detach().view(torch.int16)), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opts[1].state[sharded[n]][k].full_tensor(), opts[0].state[plain[n]][k]), (n, k)
+
+
+def test_adamw_sr_on_column_sharded_dtensors_equals_unsharded():
+    run_workers(_column_shard_worker, 4)
+
+
+def test_fsdp2_config_errors():
+    from dist_sr.integrations import fsdp2
+
     with pytest.raises(ValueError, match="unknown field"):
         fsdp2.FSDP2Config.from_dict({"shard": ["x"]})

@@ -52,16 +52,18 @@ def _metrics(path):
     return [{k: v for k, v in json.loads(line).items() if k != "step_time"} for line in open(path / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("distributed", [
-    {"engine": "deepspeed", "zero_stage": 2},
-    {"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
-], ids=["zero2", "fsdp2"])
-def test_run_resumes_on_the_same_metric_curve(distributed, warmup_cache, tmp_path):
+@pytest.mark.parametrize("distributed, precision", [
+    ({"engine": "deepspeed", "zero_stage": 2}, "bf16-sr"),
+    ({"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}}, "bf16-sr"),
+    ({"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
+     {"precision": "bf16-pure-sr", "moment_dtype": "bf16"}),
+], ids=["zero2", "fsdp2", "fsdp2-pure-bf16"])
+def test_run_resumes_on_the_same_metric_curve(distributed, precision, warmup_cache, tmp_path):
     """Stopped after step 4 and resumed, a run logs exactly the uninterrupted run's metrics."""
     data = {k: dict(v) for k, v in EASY.items()}
     data["warmup"]["cache_dir"] = warmup_cache
     data["grpo"]["steps"] = 8
-    data.update(precision="bf16-sr", distributed=distributed)
+    data.update(precision=precision, distributed=distributed)
     run_workers(_resume_worker, 2, data, str(tmp_path / "a"), str(tmp_path / "b"))
     assert _metrics(tmp_path / "b") == _metrics(tmp_path / "a")
     root = tmp_path / "b" / distributed["engine"]
