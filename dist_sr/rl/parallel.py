@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ..optim import StickingMeter
 from ..precision import apply_precision
-from ..replica import combined_digest, tensor_digest, weight_digests
 from .config import ConfigError, ExperimentConfig
 
 ENGINES = ("single", "deepspeed", "fsdp2")
@@ -119,13 +118,11 @@ class DeepSpeedEngine:
         return float(norm) if norm is not None else float("nan"), self.engine.skipped_steps == skipped
 
     def digest(self) -> str:
-        if not self.zero3:
-            return combined_digest(weight_digests(self.module))
-        import deepspeed
+        """Layout-free digest of the BF16 working weights (each rank sums what it holds: a slice
+        of the replicas, or its ZeRO-3 partitions; nothing is gathered); collective."""
+        from ..rollout.sources import layout_free_digest, source_for
 
-        params = list(self.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return combined_digest(weight_digests(params))
+        return layout_free_digest(source_for(self), self.world)
 
     KEEP = 2  # checkpoint tags kept under <run>/deepspeed/
 
@@ -186,16 +183,12 @@ class FSDP2Engine:
         return float(norm), True
 
     def digest(self) -> str:
-        """Digest of the BF16 weights the next all-gather sends: the rounding of the full masters."""
-        from ..integrations import fsdp2
-        from ..numerics import stochastic_round
+        """Layout-free digest of the working weights: with SR, the keyed rounding of each local FP32
+        shard (the bits the next all-gather sends); otherwise the local shards as they are (FP32
+        masters, or bf16-pure-sr's BF16 parameters). Nothing is gathered; collective."""
+        from ..rollout.sources import FSDP2Source, layout_free_digest
 
-        digests = {}
-        for name, master in fsdp2.full_master(self.module).items():
-            if self.ctx is not None:
-                master = stochastic_round(master, seed=self.ctx.seed, step=self.ctx.step, param=name, mode=self.ctx.mode)
-            digests[name] = tensor_digest(master)
-        return combined_digest(digests)
+        return layout_free_digest(FSDP2Source(self.module, self.ctx, self.rank, self.world, as_bf16=False), self.world)
 
     KEEP = 2  # checkpoints kept under <run>/fsdp2/
 

@@ -108,7 +108,8 @@ class EmbeddedEngine:
         self.version = version  # same module as the trainer: nothing to copy
 
     def weight_digest(self) -> str:
-        """Digest of the weights generation uses (for sharded models, ``digest_fn`` gathers them)."""
+        """Digest of the weights generation uses (for sharded models, ``digest_fn`` is the engine's
+        layout-free digest, summed from the shards)."""
         return self.digest_fn() if self.digest_fn else combined_digest(weight_digests(self.model))
 
     def generate(self, prompts, *, samples_per_prompt, max_new_tokens, temperature, generator, with_digest=False):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .plan import Piece, SyncPlan, TensorPlan, combine, make_buckets, piece_sum
+from .sources import add_rank_sums, layout_free_digest
 from .transport import broadcast, gloo_group, open_store
 
 log = logging.getLogger(__name__)
@@ -301,24 +302,13 @@ class WeightSync:
                 except EngineError as exc:
                     failures.append(str(exc))
             ok = not failures
-        entries = self._gather_sums(sums, self.source.metadata()) if verify else {}
+        entries = add_rank_sums(sums, self.source.metadata(), self.world, self.trainer_group) if verify else {}
         return ok, failures, sent, entries
 
     def current_digest(self) -> str:
         """Every trainer rank: the layout-free digest of the working weights as they are now, from
         the pieces each rank holds (no gather)."""
-        metas = self.source.metadata()
-        sums = {n: piece_sum(bits, s) for n, s, e, bits in self.source.local_pieces([m[0] for m in metas]) if e > s}
-        return combine(self._gather_sums(sums, metas))
-
-    def _gather_sums(self, sums: dict[str, int], metas) -> dict:
-        """Digest entries ``{name: (dtype, shape, sum)}`` of every tensor in ``metas``, adding up
-        the partial sums of all trainer ranks."""
-        parts = [sums]
-        if self.world > 1:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, sums, group=self.trainer_group)
-        return {n: (d, tuple(shape), sum(p.get(n, 0) for p in parts) & ((1 << 64) - 1)) for n, d, shape in metas}
+        return layout_free_digest(self.source, self.world, self.trainer_group)
 
     def _verify(self, version: int, entries: dict | None) -> tuple[list[str], list[str]]:
         """Rank 0: each engine's report against the trainer's digest entries (``None``: only that

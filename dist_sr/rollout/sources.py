@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..numerics.key import normalize_param_name
-from .plan import dtype_name
+from .plan import combine, dtype_name, piece_sum
 
 Meta = tuple[str, str, tuple[int, ...]]
 
@@ -55,14 +55,17 @@ class ReplicatedSource:
 class FSDP2Source:
     """FSDP2 with keyed SR: the working weights exist only inside forward, as the all-gather of
     SR'd shards; this source rounds each local FP32 shard with its global offsets (the bits the
-    all-gather sends), so shard-direct needs no gather at all."""
+    all-gather sends), so shard-direct needs no gather at all. Without SR (``ctx`` None) the local
+    shards are cast to BF16 for the engines, or taken as they are with ``as_bf16=False`` (the
+    trainer's own digest: FP32 masters, or the BF16 parameters of bf16-pure-sr)."""
 
-    def __init__(self, module: torch.nn.Module, ctx, rank: int, world: int):
+    def __init__(self, module: torch.nn.Module, ctx, rank: int, world: int, as_bf16: bool = True):
         self.params = {normalize_param_name(n): p for n, p in module.named_parameters()}
-        self.ctx, self.rank, self.world = ctx, rank, world
+        self.ctx, self.rank, self.world, self.as_bf16 = ctx, rank, world, as_bf16
 
     def metadata(self) -> list[Meta]:
-        return [(n, "bfloat16", tuple(p.shape)) for n, p in self.params.items()]
+        keep = self.ctx is None and not self.as_bf16
+        return [(n, dtype_name(p.dtype) if keep else "bfloat16", tuple(p.shape)) for n, p in self.params.items()]
 
     def _rounded_local(self, name: str) -> tuple[int, torch.Tensor]:
         from ..integrations.fsdp2 import _plain, shard_layout
@@ -76,7 +79,7 @@ class FSDP2Source:
                                       "tensor; shard-direct needs dim-0 shards (FSDP2's default)")
         local = local.detach().contiguous()
         if self.ctx is None:
-            return offset, local.to(torch.bfloat16)
+            return offset, local.to(torch.bfloat16) if self.as_bf16 else local
         return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
                                         mode=self.ctx.mode)
 
@@ -131,6 +134,34 @@ class ZeRO3Source:
         params = [self.params[n] for n in names]
         with deepspeed.zero.GatheredParameters(params):
             return {n: p.detach().clone() for n, p in zip(names, params)} if self.rank == 0 else {}
+
+
+def add_rank_sums(sums: dict[str, int], metas: list[Meta], world: int, group=None) -> dict:
+    """Digest entries ``{name: (dtype, shape, sum)}`` of every tensor in ``metas``, adding up the
+    partial sums ``{name: sum}`` of all ranks of ``group`` (collective when ``world > 1``)."""
+    parts = [sums]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, sums, group=group)
+    return {n: (d, tuple(shape), sum(p.get(n, 0) for p in parts) & ((1 << 64) - 1)) for n, d, shape in metas}
+
+
+def digest_entries(source, world: int, group=None) -> dict:
+    """Every rank: digest entries of the source's tensors from the pieces each rank holds, one
+    tensor at a time (nothing is gathered or materialised whole); collective."""
+    metas = source.metadata()
+    sums = {}
+    for name, _, _ in metas:
+        for n, start, end, bits in source.local_pieces([name]):
+            if end > start:
+                sums[n] = piece_sum(bits, start)
+    return add_rank_sums(sums, metas, world, group)
+
+
+def layout_free_digest(source, world: int, group=None) -> str:
+    """One digest of the source's tensors that does not depend on how they are sharded: equal
+    at any world size, engine or shard layout (``plan.piece_sum``); collective."""
+    return combine(digest_entries(source, world, group))
 
 
 def source_for(trainer) -> "ReplicatedSource | FSDP2Source | ZeRO3Source":
