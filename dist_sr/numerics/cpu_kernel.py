@@ -86,6 +86,17 @@ def load() -> ModuleType:
 _warned = False
 
 
+def loaded() -> ModuleType | None:
+    """The kernel if this process has already built or loaded it, else None (never builds: for
+    paths such as digests inside a vLLM worker, which must not stall on a first compile)."""
+    if load.cache_info().currsize == 0:
+        return None
+    try:
+        return load()
+    except KernelUnavailable:
+        return None
+
+
 def get() -> ModuleType | None:
     """The kernel, or None after a one-time warning that names what is missing."""
     global _warned

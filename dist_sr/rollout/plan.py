@@ -122,6 +122,16 @@ def piece_sum(values: torch.Tensor, start: int) -> int:
     """Layout-free digest contribution of flat ``values`` holding elements ``start..`` of a tensor:
     the sum mod 2^64 of ``mix(index * GAMMA + bits * MIX2)`` (one multiply-xorshift round)."""
     flat = values.reshape(-1)
+    if flat.device.type == "cpu":
+        from ..numerics import cpu_kernel
+
+        kernel = cpu_kernel.loaded()
+        if kernel is not None:  # the same sum in one multi-threaded pass (~10x faster)
+            return kernel.piece_sum(flat.contiguous(), start) & _MASK
+    return _piece_sum_torch(flat, start)
+
+
+def _piece_sum_torch(flat: torch.Tensor, start: int) -> int:
     width = flat.element_size()
     words = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
     total = 0

@@ -39,6 +39,23 @@ def test_the_digest_sees_one_flipped_bit_a_swap_and_a_misplaced_piece():
     assert combine(tensor_sums(named)) != combine(tensor_sums({"a": x, "b": x[:10].reshape(2, 5)}))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8, torch.int8])
+def test_the_cpu_kernel_sums_exactly_what_the_torch_definition_sums(dtype):
+    """The C++ pass (used once the kernel is loaded) and the pure-torch definition agree bit for
+    bit: on negative words (sign extension), any start, lengths around the vector widths."""
+    from dist_sr.numerics import cpu_kernel
+    from dist_sr.rollout import plan
+
+    kernel = cpu_kernel.load()
+    g = torch.Generator().manual_seed(5)
+    for n in (0, 1, 31, 33, 1000, (1 << 20) + 7):
+        x = (torch.randn(n, generator=g) * 100).to(dtype)
+        for start in (0, 5, 2**40 + 3):
+            expected = plan._piece_sum_torch(x, start)
+            assert kernel.piece_sum(x, start) & (2**64 - 1) == expected, (n, start)
+            assert piece_sum(x, start) == expected  # the public function takes the kernel now
+
+
 def test_plans_round_trip_through_json_and_must_tile_every_tensor():
     tensors = [TensorPlan("w", "bfloat16", (4, 5), [Piece(0, 0, 10), Piece(1, 10, 20)]),
                TensorPlan("b", "float32", (3,), [Piece(1, 0, 3)])]
