@@ -136,6 +136,10 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         raise ConfigError(f"the launcher started {world} processes but the engine is 'single', which would train "
                           f"{world} independent copies; set distributed.engine (deepspeed or fsdp2) or "
                           "pass --engine")
+    replicate = cfg.distributed.fsdp2.get("replicate", 1)
+    if engine == "fsdp2" and world % replicate:
+        raise ConfigError(f"distributed.fsdp2.replicate={replicate} does not divide the world size {world}: HSDP "
+                          "needs world = replicate x shard-group size")
     g = cfg.grpo
     if g.prompts_per_step % world:
         raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "

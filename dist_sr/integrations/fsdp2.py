@@ -195,6 +195,16 @@ def shard_layout(orig_size: tuple[int, ...], local_shape: tuple[int, ...], world
     return rank * chunk * inner, orig_size[dim] * inner, padded
 
 
+def is_primary_replica(p: torch.Tensor) -> bool:
+    """True on the ranks whose coordinate is 0 on every ``Replicate`` mesh dim of ``p`` (a plain
+    tensor: always): together they hold each element exactly once."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(p, DTensor):
+        return True
+    return all(p.device_mesh.get_local_rank(i) == 0 for i, pl in enumerate(p.placements) if isinstance(pl, Replicate))
+
+
 def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
     """``(local tensor, global flat offset, rows)`` of a parameter: itself for a plain tensor; for
     a DTensor, its local shard placed in the full tensor (``torch.chunk`` semantics, as FSDP2 and
@@ -281,14 +291,35 @@ class FSDP2Config:
 
     shard_modules: list[str] = field(default_factory=lambda: ["Qwen2DecoderLayer", "LlamaDecoderLayer"])
     reshard_after_forward: bool = True
+    # HSDP: shard within groups of world/replicate ranks (e.g. a node), replicate across the groups
+    replicate: int = 1
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "FSDP2Config":
         data = dict(data or {})
-        unknown = sorted(set(data) - {"shard_modules", "reshard_after_forward"})
+        unknown = sorted(set(data) - {"shard_modules", "reshard_after_forward", "replicate"})
         if unknown:
-            raise ValueError(f"fsdp2: unknown field(s) {unknown}; valid: reshard_after_forward, shard_modules")
-        return cls(**data)
+            raise ValueError(f"fsdp2: unknown field(s) {unknown}; valid: replicate, reshard_after_forward, "
+                             "shard_modules")
+        cfg = cls(**data)
+        if not isinstance(cfg.replicate, int) or isinstance(cfg.replicate, bool) or cfg.replicate < 1:
+            raise ValueError(f"fsdp2.replicate must be a positive int, got {cfg.replicate!r}")
+        return cfg
+
+    def mesh(self):
+        """The device mesh: None (FSDP2's default, shard over the world) or, with ``replicate`` > 1,
+        a ``(replicate, shard)`` mesh for HSDP. Needs the process group."""
+        if self.replicate == 1:
+            return None
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        if world % self.replicate:
+            raise ValueError(f"fsdp2.replicate={self.replicate} does not divide the world size {world}")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return init_device_mesh(device, (self.replicate, world // self.replicate),
+                                mesh_dim_names=("replicate", "shard"))
 
 
 def pure_bf16_optimizer(model: nn.Module, precision, **adamw_kwargs):
@@ -344,7 +375,8 @@ def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None =
     if not blocks:
         raise ValueError(f"fsdp2.shard_modules {config.shard_modules} match no module of {type(model).__name__}; "
                          "name its transformer block class")
+    mesh = config.mesh()
     for block in blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     return ctx

@@ -182,7 +182,7 @@ class DistributedConfig:
     engine: str = "single"                # single | deepspeed | fsdp2 (the latter two under torchrun/deepspeed)
     deepspeed_config: str | None = None   # base DeepSpeed JSON; bf16/fp16 and the SR block follow `precision`
     zero_stage: int = 2                   # when no deepspeed_config is given
-    fsdp2: dict = field(default_factory=dict)  # FSDP2Config fields: shard_modules, reshard_after_forward
+    fsdp2: dict = field(default_factory=dict)  # FSDP2Config: shard_modules, reshard_after_forward, replicate (HSDP)
 
     def __post_init__(self):
         if self.engine not in ("single", "deepspeed", "fsdp2"):
@@ -191,6 +191,12 @@ class DistributedConfig:
             raise ConfigError(f"distributed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.deepspeed_config and not Path(self.deepspeed_config).exists():
             raise ConfigError(f"distributed.deepspeed_config: {self.deepspeed_config} does not exist")
+        from ..integrations.fsdp2 import FSDP2Config
+
+        try:
+            FSDP2Config.from_dict(self.fsdp2)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"distributed.{exc}") from None
 
 
 @dataclass

@@ -60,43 +60,61 @@ class FSDP2Source:
     trainer's own digest: FP32 masters, or the BF16 parameters of bf16-pure-sr)."""
 
     def __init__(self, module: torch.nn.Module, ctx, rank: int, world: int, as_bf16: bool = True):
-        self.params = {normalize_param_name(n): p for n, p in module.named_parameters()}
+        self.module = module
         self.ctx, self.rank, self.world, self.as_bf16 = ctx, rank, world, as_bf16
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The sharded parameters. A forward without backward leaves FSDP2's root (which does not
+        reshard after forward) holding unsharded BF16 parameters: reshard first (a no-op when
+        sharded), so the source always reads the FP32 shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return {normalize_param_name(n): p for n, p in self.module.named_parameters()}
 
     def metadata(self) -> list[Meta]:
         keep = self.ctx is None and not self.as_bf16
         return [(n, dtype_name(p.dtype) if keep else "bfloat16", tuple(p.shape)) for n, p in self.params.items()]
 
-    def _rounded_local(self, name: str) -> tuple[int, torch.Tensor]:
-        from ..integrations.fsdp2 import _plain, shard_layout
+    def _rounded_local(self, name: str, params: dict) -> tuple[int, torch.Tensor]:
+        from ..integrations.fsdp2 import _plain, local_shard
         from ..numerics import stochastic_round
 
-        p = self.params[name]
-        local = _plain(p.to_local()) if hasattr(p, "to_local") else _plain(p.detach())
-        offset, row_stride, _ = shard_layout(tuple(p.shape), tuple(local.shape), self.world, self.rank)
-        if row_stride is not None:
+        p = params[name]
+        local, offset, rows = local_shard(p)
+        if rows is not None:
             raise NotImplementedError(f"{name}: FSDP2 shards on a non-leading dim are not contiguous in the full "
                                       "tensor; shard-direct needs dim-0 shards (FSDP2's default)")
-        local = local.detach().contiguous()
+        local = _plain(local).detach().contiguous()
         if self.ctx is None:
             return offset, local.to(torch.bfloat16) if self.as_bf16 else local
         return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
                                         mode=self.ctx.mode)
 
     def local_pieces(self, names):
-        out = []
+        """This rank's shard of each tensor; under HSDP only the first replica group's ranks hold
+        pieces, so every element is sent (and summed) once."""
+        from ..integrations.fsdp2 import is_primary_replica
+
+        out, params = [], self.params
         for n in names:
-            offset, bits = self._rounded_local(n)
+            if not is_primary_replica(params[n]):
+                out.append((n, 0, 0, torch.empty(0, dtype=torch.bfloat16)))
+                continue
+            offset, bits = self._rounded_local(n, params)
             out.append((n, offset, offset + bits.numel(), bits.reshape(-1)))
         return out
 
     def gather(self, names):
         from torch.distributed.tensor import DTensor
 
-        out = {}
+        out, params = {}, self.params
         for n in names:
-            p = self.params[n]
-            _, bits = self._rounded_local(n)
+            p = params[n]
+            _, bits = self._rounded_local(n, params)
             if isinstance(p, DTensor):
                 full = DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements,
                                           shape=p.shape, stride=p.stride()).full_tensor()

@@ -16,16 +16,17 @@ pytestmark = pytest.mark.slow
 SEED, STEPS = 1234, 3
 
 
-def build(world_size):
+def build(world_size, replicate=1):
     from torch.distributed.fsdp import fully_shard
 
     from dist_sr.integrations import fsdp2
 
     model = tiny_qwen2()
     ctx = fsdp2.prepare(model, seed=SEED)
+    mesh = fsdp2.FSDP2Config(replicate=replicate).mesh()  # None: plain FSDP over the world
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
-    fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
+        fully_shard(layer, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     ctx.track(opt)
     return model, ctx, opt
@@ -80,11 +81,13 @@ def check_offsets_against_dtensor(model, world_size):
             assert row_stride is None and torch.equal(local.flatten(), torch.arange(offset, offset + local.numel())), name
 
 
-def _bits_worker(rank, world_size, out_dir):
+def _bits_worker(rank, world_size, out_dir, replicate=1):
     from dist_sr.integrations import fsdp2
+    from dist_sr.rollout.sources import FSDP2Source, layout_free_digest
 
-    model, ctx, opt = build(world_size)
-    check_offsets_against_dtensor(model, world_size)
+    model, ctx, opt = build(world_size, replicate)
+    if replicate == 1:
+        check_offsets_against_dtensor(model, world_size)
     ctx.record_gathers = True
     ctx.cache_rounded = False  # every gather rounds afresh: the backward re-gather must reproduce the bits
     grads = train(model, opt, STEPS)
@@ -106,8 +109,11 @@ def _bits_worker(rank, world_size, out_dir):
     layer_keys = [k for k in counts if k[0].startswith("model.layers.") and k[1] < STEPS]
     assert layer_keys and all(counts[k] >= 2 for k in layer_keys)  # re-gathered in backward
     digests = {n: tensor_digest(w) for n, w in working.items()}
+    # the digest the trainer and the rollout fleet use, summed from the shards (HSDP: one replica)
+    digests["layout-free"] = layout_free_digest(FSDP2Source(model, ctx, rank, world_size), world_size)
     if rank == 0:
-        (out_dir / f"world{world_size}.json").write_text(json.dumps(digests, sort_keys=True))
+        label = f"world{world_size}" + (f"-replicate{replicate}" if replicate > 1 else "")
+        (out_dir / f"{label}.json").write_text(json.dumps(digests, sort_keys=True))
     gathered = [None] * world_size
     torch.distributed.all_gather_object(gathered, digests)
     assert all(g == digests for g in gathered)  # every rank holds identical working bits
@@ -187,14 +193,23 @@ def test_precision_switch_selects_the_fsdp2_behaviour(precision):
     run_workers(_switch_worker, 2, precision)
 
 
-def _pure_worker(rank, world_size, precision, out_dir):
+def test_hsdp_gives_the_bits_of_unsharded_rounding(tmp_path):
+    """HSDP (2 replicas x 2 shards): the working weights are the keyed rounding of the full
+    master, identical on all 4 ranks and to a 1-rank run; the layout-free digest counts each
+    element once."""
+    run_workers(_bits_worker, 1, tmp_path)
+    run_workers(_bits_worker, 4, tmp_path, 2)
+    assert json.loads((tmp_path / "world4-replicate2.json").read_text()) == json.loads((tmp_path / "world1.json").read_text())
+
+
+def _pure_worker(rank, world_size, precision, out_dir, replicate=1):
     """bf16-pure-sr on FSDP2: BF16 shards updated by AdamWSR with the shards' global offsets."""
     from torch.distributed.tensor import DTensor
 
     from dist_sr.integrations import fsdp2
 
     model = tiny_qwen2()
-    assert fsdp2.apply_fsdp2(model, precision, {"shard_modules": ["Qwen2DecoderLayer"]}) is None
+    assert fsdp2.apply_fsdp2(model, precision, {"shard_modules": ["Qwen2DecoderLayer"], "replicate": replicate}) is None
     opt = fsdp2.pure_bf16_optimizer(model, precision, lr=1e-3)
     train(model, opt, STEPS)
     full = {}
@@ -203,26 +218,33 @@ def _pure_worker(rank, world_size, precision, out_dir):
         full[name] = p.full_tensor()
     for state in opt.state.values():
         assert state["exp_avg"].dtype == opt.moment_dtype and isinstance(state["exp_avg"], DTensor)
+    digests = {n: tensor_digest(t) for n, t in full.items()}
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, {n: tensor_digest(p.to_local()) for n, p in model.named_parameters()})
+    if replicate > 1:  # rank r and r + shards hold the same shard: the replicas agree bit for bit
+        shards = world_size // replicate
+        assert all(gathered[r] == gathered[r % shards] for r in range(world_size))
     if rank == 0:
-        (out_dir / f"pure-world{world_size}.json").write_text(
-            json.dumps({n: tensor_digest(t) for n, t in full.items()}, sort_keys=True))
+        (out_dir / f"pure-world{world_size}-r{replicate}.json").write_text(json.dumps(digests, sort_keys=True))
 
 
 @pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
-def test_pure_bf16_adamw_sr_sharded_equals_unsharded_at_world_sizes_1_2_4(moment_dtype, tmp_path):
+def test_pure_bf16_adamw_sr_sharded_equals_unsharded_at_world_sizes_1_2_4_and_hsdp(moment_dtype, tmp_path):
     """The sharded pure-BF16 run holds, bit for bit, the weights of the single-process AdamWSR."""
     from dist_sr import apply_precision
     from dist_sr.optim import AdamWSR
 
     precision = {"precision": "bf16-pure-sr", "seed": SEED, "moment_dtype": moment_dtype}
-    for world_size in (1, 2, 4):
-        run_workers(_pure_worker, world_size, precision, tmp_path)
+    runs = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, replicate): the last is HSDP 2 x 2
+    for world_size, replicate in runs:
+        run_workers(_pure_worker, world_size, precision, tmp_path, replicate)
     model = tiny_qwen2()
     tp = apply_precision(model, precision, AdamWSR, lr=1e-3)
     train(model, tp.optimizer, STEPS)
     expected = {n: tensor_digest(p.detach()) for n, p in model.named_parameters()}
-    for world_size in (1, 2, 4):
-        assert json.loads((tmp_path / f"pure-world{world_size}.json").read_text()) == expected, world_size
+    for world_size, replicate in runs:
+        got = json.loads((tmp_path / f"pure-world{world_size}-r{replicate}.json").read_text())
+        assert got == expected, (world_size, replicate)
 
 
 def _column_shard_worker(rank, world_size):

@@ -43,6 +43,8 @@ def test_the_launchers_environment_and_deepspeeds_local_rank_argument_are_read(t
     (["--deepspeed_config", DS_SR, "--set", "precision={precision: bf16-sr, seed: 5}"], {}, "seed 1234"),
     (["--set", "precision=bf17"], {}, "unknown precision 'bf17'"),
     (["--set", "cluster.launcher=mpirun"], {}, "cluster.launcher"),
+    (["--engine", "fsdp2", "--set", "distributed.fsdp2={replicate: 3}"], {"WORLD_SIZE": "4"}, "does not divide"),
+    (["--set", "distributed.fsdp2={replicate: 0}"], {}, "positive int"),
 ])
 def test_bad_configs_and_worlds_fail_before_any_process_group(argv, env, message):
     with pytest.raises(ConfigError, match=message):
