@@ -51,8 +51,11 @@ def _worker(rank, world, port, args, targets, out):
     if rank < trainers:
         from transformers import AutoModelForCausalLM
 
+        from dist_sr.numerics import cpu_kernel
         from dist_sr.rollout.fleet import WeightSync
         from dist_sr.rollout.sources import ReplicatedSource
+
+        cpu_kernel.get()  # loaded, as in a trainer that rounds on the CPU: its digests take the C++ pass
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
         flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])

@@ -213,6 +213,9 @@ class FSDP2Engine:
 
         root = path / "fsdp2"
         final, tmp = root / f"step{step}", root / f"step{step}.tmp"
+        if (root / "latest").exists() and (root / "latest").read_text().strip() == final.name:
+            raise RuntimeError(f"{final} is the latest checkpoint; saving step {step} again would replace it in "
+                               "place (no step has run since it was written)")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()

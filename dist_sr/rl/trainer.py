@@ -163,6 +163,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         if writer is not None:
             writer.write(record)
 
+    saved_at = start if start else None  # the step of the newest checkpoint on disk
     if start == 0:
         write({"step": 0, **run_eval()})
     last = g.steps if stop_at is None else min(stop_at, g.steps)
@@ -207,7 +208,9 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
                         kl=f"{kl_k3:.2e}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             trainer.save(out_dir, step)
-    trainer.save(out_dir, last)
+            saved_at = step
+    if saved_at != last:  # never rewrite the checkpoint 'latest' points at
+        trainer.save(out_dir, last)
     if writer is not None:
         writer.close()
     return out_dir / "metrics.jsonl"

@@ -63,7 +63,7 @@ def test_run_resumes_on_the_same_metric_curve(distributed, precision, warmup_cac
     data = {k: dict(v) for k, v in EASY.items()}
     data["warmup"]["cache_dir"] = warmup_cache
     data["grpo"]["steps"] = 8
-    data.update(precision=precision, distributed=distributed)
+    data.update(precision=precision, distributed=distributed, checkpoint_every=4)  # saves at 4 and 8, once each
     run_workers(_resume_worker, 2, data, str(tmp_path / "a"), str(tmp_path / "b"))
     assert _metrics(tmp_path / "b") == _metrics(tmp_path / "a")
     root = tmp_path / "b" / distributed["engine"]
