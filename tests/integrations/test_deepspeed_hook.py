@@ -147,3 +147,53 @@ def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, in
     assert results["hook"] == {"attached": True, "keyed": True, "rtn": False}
     # without the hook DeepSpeed ignores the block: round-to-nearest, which is why the hook exists
     assert results["off"] == {"attached": False, "keyed": False, "rtn": True}
+
+
+HF_SCRIPT = '''
+import json, sys, torch
+from transformers import Trainer, TrainingArguments
+from tests.integrations.models import tiny_qwen2
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 3, (9,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=2, max_steps=3, bf16=True, deepspeed="ds.json",
+                         report_to=[], save_strategy="no", use_cpu=True, learning_rate=1e-3)
+trainer = Trainer(model=tiny_qwen2(), args=args, train_dataset=Data())
+trainer.train()
+
+# the test's check (not part of a user's script)
+from dist_sr import stochastic_round
+from tests.integrations.test_deepspeed import working_and_master
+engine = trainer.model_wrapped
+state = working_and_master(engine)
+keyed = all(torch.equal(w.view(torch.int16), stochastic_round(m, seed=77, step=engine.global_steps,
+                                                               param=n).view(torch.int16))
+            for n, (w, m) in state.items())
+if engine.global_rank == 0:
+    json.dump({"attached": hasattr(engine, "dist_sr"), "steps": engine.global_steps, "keyed": keyed},
+              open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.slow
+def test_the_hugging_face_trainer_with_deepspeed_gets_keyed_sr_from_its_json(tmp_path, installed_hook):
+    """transformers' Trainer (which TRL's trainers build on) hands DeepSpeed the JSON through
+    accelerate; with the hook, the block in it is honoured: HF's "auto" values and all."""
+    pytest.importorskip("accelerate")
+    (tmp_path / "train.py").write_text(HF_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
+        "stochastic_rounding": SR}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    r = subprocess.run(["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", "train.py", "result.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((tmp_path / "result.json").read_text()) == {"attached": True, "steps": 3, "keyed": True}
