@@ -56,6 +56,15 @@ def test_the_cpu_kernel_sums_exactly_what_the_torch_definition_sums(dtype):
             assert piece_sum(x, start) == expected  # the public function takes the kernel now
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_engine_sums_what_the_cpu_sums():
+    """Engines on GPUs digest CUDA tensors (torch path there): same sums as the CPU."""
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn((1 << 20) + 3, generator=g) * 100).to(dtype)
+        assert piece_sum(x.cuda(), 2**33 + 1) == piece_sum(x, 2**33 + 1)
+
+
 def test_plans_round_trip_through_json_and_must_tile_every_tensor():
     tensors = [TensorPlan("w", "bfloat16", (4, 5), [Piece(0, 0, 10), Piece(1, 10, 20)]),
                TensorPlan("b", "float32", (3,), [Piece(1, 0, 3)])]
