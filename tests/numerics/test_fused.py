@@ -102,3 +102,21 @@ def _name(opt, p):
 def test_shadow_adamw_refuses_fp16_weights():
     with pytest.raises(TypeError, match="BF16 working weights"):
         ShadowAdamW(nn.Linear(2, 2).half().named_parameters(), mode="nearest")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shift", [0, 5])  # `out` 64-byte aligned, or not
+def test_large_steps_written_by_streaming_stores_keep_the_bits(grad_dtype, shift):
+    """>= 2^20 elements: the BF16 output takes non-temporal stores where lines are aligned."""
+    n = (1 << 20) + 7
+    s, m, v, g = state(n, seed=shift)
+    g = g.to(grad_dtype)
+    h = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2)
+    results = []
+    for backend in ("reference", "cpu"):
+        S, M, V = s.clone(), m.clone(), v.clone()
+        out = torch.empty(n + 32, dtype=torch.bfloat16)[shift:shift + n]
+        adamw_step_(S, M, V, g, out, hyper=h, seed=5, step=2, param="big.w", offset=0, backend=backend)
+        results.append((S, M, V, bits16(out)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

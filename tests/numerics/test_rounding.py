@@ -285,3 +285,17 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     with pytest.warns(RuntimeWarning, match="stale build lock"):
         cpu_kernel._clear_stale_lock(str(tmp_path))
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("shift", [0, 1, 16, 32])  # element offset of `out` inside its buffer: 64-, 2-, 32-, 64-byte aligned
+@pytest.mark.parametrize("offset", [0, 3])
+def test_large_outputs_written_by_streaming_stores_keep_the_bits(shift, offset):
+    """Outputs of >= 2^20 elements take the kernel's non-temporal store path (aligned lines) and
+    plain stores elsewhere: the bits are the reference's either way."""
+    n = (1 << 20) + 45
+    x = torch.randn(n, generator=torch.Generator().manual_seed(shift + offset)) * 3
+    buf = torch.empty(n + 64, dtype=torch.bfloat16)
+    out = buf[shift:shift + n]
+    stochastic_round(x, seed=2, step=5, param="big.w", offset=offset, out=out, backend="cpu")
+    expected = stochastic_round(x, seed=2, step=5, param="big.w", offset=offset, backend="reference")
+    assert torch.equal(bits16(out), bits16(expected))

@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -21,6 +24,40 @@ constexpr int64_t kChunk = 32;          // elements per vector body (8 hashes)
 constexpr int64_t kGrain = 1 << 14;     // chunks per task: ~2 MiB of input
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the 8-hash trick needs little-endian");
+
+// Outputs at least this large are written with non-temporal (streaming) stores: a plain store
+// first reads the destination line into the cache (2 extra bytes per element on a 2-byte output),
+// which is the whole difference between a one-pass SR step and torch's own fused AdamW. Smaller
+// outputs stay in the cache for whoever reads them next.
+constexpr int64_t kStreamMin = int64_t(1) << 20;
+
+// Store one chunk's 32 BF16 values (64 bytes): streaming when asked and the line is aligned.
+inline void store_chunk(uint16_t* dst, const uint16_t* src, bool stream) {
+#if defined(__AVX512F__)
+  if (stream && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+    return;
+  }
+#elif defined(__AVX__)
+  if (stream && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 16),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, 64);
+}
+
+// Streaming stores are weakly ordered: fence before a task ends so every thread's output is
+// visible once parallel_for returns.
+inline void stream_fence(bool stream) {
+#if defined(__AVX512F__) || defined(__AVX__)
+  if (stream) _mm_sfence();
+#else
+  (void)stream;
+#endif
+}
 
 inline uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * kMix1;
@@ -45,6 +82,7 @@ void sr_span(const uint32_t* x, uint16_t* out, int64_t n, uint64_t key, int64_t 
   for (int64_t j = 0; j < head; ++j) out[j] = round_one(x[j], bits_for(key, offset + j));
   const int64_t chunks = (n - head) / kChunk;
   const int64_t first_block = (offset + head) / 4;  // global block index of the first full chunk
+  const bool stream = n >= kStreamMin;
   at::parallel_for(0, chunks, kGrain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       uint64_t h[8];
@@ -53,9 +91,11 @@ void sr_span(const uint32_t* x, uint16_t* out, int64_t n, uint64_t key, int64_t 
       uint16_t r[kChunk];
       std::memcpy(r, h, sizeof(r));
       const uint32_t* xs = x + head + c * kChunk;
-      uint16_t* os = out + head + c * kChunk;
-      for (int k = 0; k < kChunk; ++k) os[k] = round_one(xs[k], r[k]);
+      uint16_t o[kChunk];
+      for (int k = 0; k < kChunk; ++k) o[k] = round_one(xs[k], r[k]);
+      store_chunk(out + head + c * kChunk, o, stream);
     }
+    stream_fence(stream);
   });
   for (int64_t j = head + chunks * kChunk; j < n; ++j) out[j] = round_one(x[j], bits_for(key, offset + j));
 }
@@ -180,6 +220,7 @@ void adamw_span(float* __restrict__ s, float* __restrict__ m, float* __restrict_
   for (int64_t j = 0; j < head; ++j) scalar(j);
   const int64_t chunks = (n - head) / kChunk;
   const int64_t first_block = (offset + head) / 4;
+  const bool stream = n >= kStreamMin;
   at::parallel_for(0, chunks, kGrain / 4, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t base = head + c * kChunk;
@@ -198,9 +239,11 @@ void adamw_span(float* __restrict__ s, float* __restrict__ m, float* __restrict_
       } else {
         for (int k = 0; k < kChunk; ++k) r[k] = static_cast<uint16_t>(nearest_bits(b[k]));
       }
-      uint16_t* __restrict__ oc = out + base;
-      for (int k = 0; k < kChunk; ++k) oc[k] = round_one(b[k], r[k]);
+      uint16_t o[kChunk];
+      for (int k = 0; k < kChunk; ++k) o[k] = round_one(b[k], r[k]);
+      store_chunk(out + base, o, stream);
     }
+    stream_fence(stream);
   });
   for (int64_t j = head + chunks * kChunk; j < n; ++j) scalar(j);
 }
