@@ -195,14 +195,20 @@ def shard_layout(orig_size: tuple[int, ...], local_shape: tuple[int, ...], world
     return rank * chunk * inner, orig_size[dim] * inner, padded
 
 
-def is_primary_replica(p: torch.Tensor) -> bool:
-    """True on the ranks whose coordinate is 0 on every ``Replicate`` mesh dim of ``p`` (a plain
-    tensor: always): together they hold each element exactly once."""
+def replica_slot(p: torch.Tensor) -> tuple[int, int]:
+    """``(index, count)``: which of the ``count`` ranks holding the same shard of ``p`` this rank
+    is (its coordinates on the ``Replicate`` mesh dims, row-major); ``(0, 1)`` when nothing is
+    replicated. HSDP's replica groups use it to split a shard's work among themselves."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(p, DTensor):
-        return True
-    return all(p.device_mesh.get_local_rank(i) == 0 for i, pl in enumerate(p.placements) if isinstance(pl, Replicate))
+        return 0, 1
+    index, count = 0, 1
+    for i, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            size = p.device_mesh.size(i)
+            index, count = index * size + p.device_mesh.get_local_rank(i), count * size
+    return index, count
 
 
 def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:

@@ -79,7 +79,9 @@ class FSDP2Source:
         keep = self.ctx is None and not self.as_bf16
         return [(n, dtype_name(p.dtype) if keep else "bfloat16", tuple(p.shape)) for n, p in self.params.items()]
 
-    def _rounded_local(self, name: str, params: dict) -> tuple[int, torch.Tensor]:
+    def _rounded_local(self, name: str, params: dict, part: tuple[int, int] = (0, 1)) -> tuple[int, torch.Tensor]:
+        """``(global offset, bits)`` of this rank's shard of ``name``, or of part ``i`` of ``n``
+        equal parts of it (``part=(i, n)``)."""
         from ..integrations.fsdp2 import _plain, local_shard
         from ..numerics import stochastic_round
 
@@ -89,22 +91,23 @@ class FSDP2Source:
             raise NotImplementedError(f"{name}: FSDP2 shards on a non-leading dim are not contiguous in the full "
                                       "tensor; shard-direct needs dim-0 shards (FSDP2's default)")
         local = _plain(local).detach().contiguous()
+        if part != (0, 1):
+            lo, hi = _split(local.numel(), part[1], part[0])
+            local, offset = local.view(-1)[lo:hi], offset + lo
         if self.ctx is None:
             return offset, local.to(torch.bfloat16) if self.as_bf16 else local
         return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
                                         mode=self.ctx.mode)
 
     def local_pieces(self, names):
-        """This rank's shard of each tensor; under HSDP only the first replica group's ranks hold
-        pieces, so every element is sent (and summed) once."""
-        from ..integrations.fsdp2 import is_primary_replica
+        """This rank's shard of each tensor. Under HSDP the ranks holding the same shard (one per
+        replica group) each take an equal part of it, so every element is sent (and summed) once
+        and every group's links carry a share."""
+        from ..integrations.fsdp2 import replica_slot
 
         out, params = [], self.params
         for n in names:
-            if not is_primary_replica(params[n]):
-                out.append((n, 0, 0, torch.empty(0, dtype=torch.bfloat16)))
-                continue
-            offset, bits = self._rounded_local(n, params)
+            offset, bits = self._rounded_local(n, params, replica_slot(params[n]))
             out.append((n, offset, offset + bits.numel(), bits.reshape(-1)))
         return out
 

@@ -90,3 +90,49 @@ def test_a_receiver_killed_mid_sync_is_dropped_and_the_rest_are_verified(receive
     r = ws.sync(2, on_bucket=kill_b)
     assert r.ready == [a] and r.attempts == 2 and any(b in p for p in r.problems)
     assert [e.state for e in ws.engines] == ["ready", "down"]
+
+
+def _hsdp_worker(rank, world, data):
+    """FSDP2 as HSDP (2 replica groups x 2 shards) with keyed SR: the fleet gets the rounding of the
+    full masters, and shard-direct spreads each shard's bytes over both replica groups."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_sr import stochastic_round
+    from dist_sr.integrations import fsdp2
+    from dist_sr.rollout.sources import FSDP2Source
+    from tests.integrations.models import tiny_qwen2
+
+    model = tiny_qwen2()
+    ctx = fsdp2.prepare(model, seed=21)
+    mesh = fsdp2.FSDP2Config(replicate=2).mesh()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    ctx.step = 3
+    expected = combine(tensor_sums({n: stochastic_round(t, seed=21, step=3, param=n)
+                                    for n, t in fsdp2.full_master(model).items()}))
+    out = {}
+    for transport, port in data["ports"].items():
+        ws = WeightSync(FSDP2Source(model, ctx, rank, world), data["urls"], transport=transport, bucket_mb=0.05,
+                        timeout_s=30, group_port=port)
+        r = ws.sync(1)
+        sent = [None] * world
+        torch.distributed.all_gather_object(sent, r.bytes_sent)
+        out[transport] = {"digest": r.digest, "ready": r.ready, "sent": sent}
+    if rank == 0:
+        out["expected"] = expected
+        out["numel"] = sum(p.numel() for p in model.parameters())
+        with open(data["out"], "w") as f:
+            json.dump(out, f)
+
+
+def test_hsdp_shard_direct_sends_each_element_once_from_every_replica_group(receivers, tmp_path):
+    urls = [url for _, url in receivers(2)]
+    out = tmp_path / "r.json"
+    run_workers(_hsdp_worker, 4, {"urls": urls, "out": str(out),
+                                  "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
+    r = json.loads(out.read_text())
+    assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["expected"]
+    assert r["broadcast"]["ready"] == r["shard-direct"]["ready"] == urls
+    sent = r["shard-direct"]["sent"]
+    assert sum(sent) == 2 * r["numel"] and all(s > 0 for s in sent), sent  # once in total, every rank a share
