@@ -132,17 +132,33 @@ def piece_sum(values: torch.Tensor, start: int) -> int:
 
 
 def _piece_sum_torch(flat: torch.Tensor, start: int) -> int:
+    """The definition in torch (any device). The 64-bit terms are summed as two 32-bit halves in
+    int64 on the device (exact: no overflow below 2^31 terms per flush), read back once per
+    2^30 elements, so a GPU tensor costs a handful of synchronisations."""
     width = flat.element_size()
     words = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+    chunk = _CHUNK if words.device.type == "cpu" else _CHUNK * 16
+    index_mix = torch.arange(chunk, dtype=torch.int64, device=words.device) * _GAMMA  # j * GAMMA, wrapping
     total = 0
-    base = torch.arange(_CHUNK, dtype=torch.int64, device=words.device)
-    for s in range(0, words.numel(), _CHUNK):
-        v = words[s:s + _CHUNK].to(torch.int64)
-        z = (base[:v.numel()] + (start + s)) * _GAMMA + v * _MIX2
+    lo = hi = torch.zeros((), dtype=torch.int64, device=words.device)
+    for s in range(0, words.numel(), chunk):
+        v = words[s:s + chunk].to(torch.int64)
+        z = index_mix[:v.numel()] + _signed_mul(start + s, _GAMMA) + v * _MIX2
         z = (z ^ _shr(z, 29)) * _MIX1
         z = z ^ _shr(z, 32)
-        total += int((z & 0xFFFFFFFF).sum()) + (int(_shr(z, 32).sum()) << 32)
+        lo = lo + (z & 0xFFFFFFFF).sum()
+        hi = hi + _shr(z, 32).sum()
+        if (s // chunk + 1) % ((1 << 30) // chunk) == 0:  # flush before the halves could overflow
+            total += int(lo) + (int(hi) << 32)
+            lo = hi = torch.zeros_like(lo)
+    total += int(lo) + (int(hi) << 32)
     return total & _MASK
+
+
+def _signed_mul(a: int, b: int) -> int:
+    """``a * b`` mod 2^64 as a signed 64-bit value (a Python int torch accepts as an int64 scalar)."""
+    r = (a * b) & _MASK
+    return r - (1 << 64) if r >= 1 << 63 else r
 
 
 def combine(entries: dict[str, tuple[str, tuple[int, ...], int]]) -> str:
