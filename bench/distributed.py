@@ -1,11 +1,13 @@
-"""A ZeRO-2 and an FSDP2 training step with round-to-nearest vs keyed SR, side by side.
+"""A ZeRO-2 and an FSDP2 training step with round-to-nearest vs keyed SR, side by side; and
+FSDP2 with FP32 masters (bf16-sr) vs pure BF16 shards (bf16-pure-sr): per-rank bytes and step.
 
     python bench/distributed.py                  # 2 ranks on gloo (CPU), tiny Llama
     python bench/distributed.py --world 2 --steps 12 --hidden 512
 
-In each rank both variants of an engine are built from the same weights and stepped in
-alternation (RTN, SR, RTN, SR, ...), each step between barriers, so load and noise hit both
-alike; the table shows median step times and the SR/RTN ratio.
+In each rank the variants of an engine are built from the same weights and stepped in
+alternation (RTN, SR, RTN, SR, ...), each step between barriers, so load and noise hit them
+alike; the tables show median step times and ratios. Bytes are counted from the tensors each
+rank holds after a step (its parameter shards and its optimizer state).
 """
 
 from __future__ import annotations
@@ -73,6 +75,32 @@ def fsdp2_step_fn(model, sr: bool):
     return step
 
 
+def fsdp2_precision_step_fn(model, precision: dict):
+    """FSDP2 under the precision switch (bf16-sr or bf16-pure-sr) and the optimizer it pairs with."""
+    from dist_sr.integrations import fsdp2
+
+    ctx = fsdp2.apply_fsdp2(model, precision, {"shard_modules": ["LlamaDecoderLayer"]})
+    if precision["precision"] == "bf16-pure-sr":
+        opt = fsdp2.pure_bf16_optimizer(model, precision, lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        ctx.track(opt)
+
+    def step(ids):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def held_bytes() -> tuple[int, int]:
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        weights = sum(local(p).numel() * p.element_size() for p in model.parameters())
+        state = sum(local(v).numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        return weights, state
+
+    return step, held_bytes
+
+
 def worker(rank: int, world: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
@@ -93,6 +121,20 @@ def worker(rank: int, world: int, args) -> None:
                 if i >= 2:  # warm-up
                     times[variant].append(time.perf_counter() - t0)
         results[engine_name] = {k: statistics.median(v) for k, v in times.items()}
+    variants = {"bf16-sr (FP32 masters)": {"precision": "bf16-sr", "seed": 1},
+                "bf16-pure-sr, FP32 moments": {"precision": "bf16-pure-sr", "seed": 1},
+                "bf16-pure-sr, BF16 moments": {"precision": "bf16-pure-sr", "seed": 1, "moment_dtype": "bf16"}}
+    built = {name: fsdp2_precision_step_fn(tiny_llama(args.hidden, args.layers), prec) for name, prec in variants.items()}
+    times = {k: [] for k in built}
+    for i in range(args.steps + 2):
+        for name, (step, _) in built.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(ids)
+            dist.barrier()
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    pure = {name: {"step": statistics.median(times[name]), "bytes": built[name][1]()} for name in built}
     if rank == 0:
         n = sum(p.numel() for p in tiny_llama(args.hidden, args.layers).parameters())
         print(f"# distributed step, tiny Llama ({n / 1e6:.1f}M params), {world} ranks on gloo, "
@@ -100,6 +142,14 @@ def worker(rank: int, world: int, args) -> None:
         print("| engine | RTN step (ms) | SR step (ms) | SR / RTN |\n|---|---:|---:|---:|")
         for name, r in results.items():
             print(f"| {name} | {r['RTN'] * 1e3:.0f} | {r['SR'] * 1e3:.0f} | {r['SR'] / r['RTN']:.3f} |")
+        base = pure["bf16-sr (FP32 masters)"]
+        print("\n| FSDP2 variant | weights bytes/rank | optimizer state bytes/rank | total vs bf16-sr | step (ms) "
+              "| step vs bf16-sr |\n|---|---:|---:|---:|---:|---:|")
+        for name, r in pure.items():
+            (w, st), (bw, bst) = r["bytes"], base["bytes"]
+            print(f"| {name} | {w / 2**20:.2f} MiB | {st / 2**20:.2f} MiB | {(w + st) / (bw + bst):.2f}x | "
+                  f"{r['step'] * 1e3:.0f} | {r['step'] / base['step']:.3f} |")
+        results["FSDP2 precision"] = pure
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
     dist.barrier()
