@@ -23,3 +23,7 @@ if ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
 fi
 "${pip[@]}" install --no-deps -e .
 .venv-vllm/bin/python -c "import vllm, dist_sr.rollout.vllm_plugin as p; print('setup_vllm: vLLM', vllm.__version__, 'with the dist_sr backend')"
+# build the C++ kernel for this environment now, so engines digest received weights with it from
+# their first sync instead of building it in the background
+.venv-vllm/bin/python -c "from dist_sr.numerics import cpu_kernel; cpu_kernel.load(); print('setup_vllm: CPU kernel built')" \
+  || echo "setup_vllm: CPU kernel not built (engines digest with torch)"

@@ -2,8 +2,10 @@
 
 The build is cached by ``torch.utils.cpp_extension`` under ``TORCH_EXTENSIONS_DIR``. The
 extension is compiled with ``-march=native``, so its name carries a fingerprint of this CPU's
-model and feature flags: a cache directory shared between different machines never hands one
-of them code for another's instruction set.
+model and feature flags (a cache directory shared between different machines never hands one of
+them code for another's instruction set) and of the Python environment (two virtual
+environments sharing the cache, e.g. a trainer's and a vLLM engine's, would otherwise rebuild it
+back and forth: their include paths differ).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def _cpu_fingerprint() -> str:
     except OSError:
         text += platform.processor()
     return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def _env_fingerprint() -> str:
+    import sys
+
+    import torch
+
+    return hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:6]
 
 
 class KernelUnavailable(RuntimeError):
@@ -66,7 +76,7 @@ def load() -> ModuleType:
     try:
         from torch.utils import cpp_extension
 
-        name = f"dist_sr_cpu_{_cpu_fingerprint()}"
+        name = f"dist_sr_cpu_{_cpu_fingerprint()}_{_env_fingerprint()}"
         _clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         # no FMA contraction (bits must match the reference); no errno from sqrt, so it vectorises
         flags = ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
@@ -84,6 +94,22 @@ def load() -> ModuleType:
 
 
 _warned = False
+
+
+def warm_up_in_background() -> None:
+    """Load (building if needed, once per environment) on a daemon thread, so a process that only
+    needs the kernel for speed, such as a vLLM worker computing digests, never waits for a
+    compile; ``loaded()`` returns it once ready. A failure is logged by ``get()``'s rules: the
+    torch paths stay in use."""
+    import threading
+
+    def run():
+        try:
+            load()
+        except KernelUnavailable:
+            pass
+
+    threading.Thread(target=run, name="dist-sr-kernel-build", daemon=True).start()
 
 
 def loaded() -> ModuleType | None:

@@ -34,6 +34,11 @@ class InitInfo:
 
 class WeightReceiver:
     def __init__(self):
+        from ..numerics import cpu_kernel
+
+        # digests of received (CPU) buckets take the C++ pass once it is loaded (built in the
+        # background the first time in an environment; scripts/setup_vllm.sh builds it ahead)
+        cpu_kernel.warm_up_in_background()
         self.groups: dict[int, object] = {}
         self.store = None
         self.rank: int | None = None
