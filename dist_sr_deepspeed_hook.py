@@ -37,8 +37,12 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        from dist_sr.integrations.deepspeed import hooked_initialize
-
+        try:
+            from dist_sr.integrations.deepspeed import hooked_initialize
+        except Exception as exc:  # a broken dist-sr install must say so, not leave SR configs to RTN
+            raise ImportError(f"dist-sr's deepspeed hook ({PTH_NAME}) could not import dist_sr: {exc!r}. Repair "
+                              f"the dist-sr install, or remove the hook (`dist-sr deepspeed-hook uninstall`; "
+                              f"{ENV}=0 for one process)") from exc
         if not getattr(module.initialize, "__dist_sr_hook__", False):
             module.initialize = hooked_initialize(module.initialize)
 

@@ -197,3 +197,14 @@ def test_the_hugging_face_trainer_with_deepspeed_gets_keyed_sr_from_its_json(tmp
                        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((tmp_path / "result.json").read_text()) == {"attached": True, "steps": 3, "keyed": True}
+
+
+def test_a_broken_dist_sr_install_fails_the_deepspeed_import_with_the_fix(tmp_path):
+    """With the hook on, deepspeed must not come up without SR support (RTN for SR configs)."""
+    hook.install(str(tmp_path))
+    code = ("import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
+            f"site.addsitedir({str(tmp_path)!r}); sys.modules['dist_sr.integrations.deepspeed'] = None; "
+            "import deepspeed")
+    r = _python(code)
+    assert r.returncode != 0 and "could not import dist_sr" in r.stderr and "deepspeed-hook uninstall" in r.stderr
+    assert _python(code, DIST_SR_DEEPSPEED_HOOK="0").returncode == 0
