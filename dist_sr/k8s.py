@@ -254,12 +254,10 @@ def write(cfg: ExperimentConfig, out_dir: str | Path, source: str = "") -> list[
 def load_for_cluster(args) -> ExperimentConfig:
     """Resolve the config exactly as the entry point will on the cluster's world, so a config the
     cluster cannot run (world size, engine, contradictory DeepSpeed JSON) fails here, not in pods."""
-    from .launch import parse_overrides, plan
+    from .launch import config_source, parse_overrides, plan
     from .rl.config import load_experiment
 
-    if args.config and not Path(args.config).is_file():
-        raise ConfigError(f"--config {args.config}: no such file")
-    c = load_experiment(args.config or {}, parse_overrides(args.set)).cluster  # the world comes from here
+    c = load_experiment(config_source(args), parse_overrides(args.set)).cluster  # the world comes from here
     world = c.nnodes * c.nproc_per_node
     return plan(args, env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}, cuda=bool(c.gpus_per_node)).config
 

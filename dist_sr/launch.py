@@ -90,6 +90,14 @@ def _int_env(env: dict, name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
+def config_source(args: argparse.Namespace) -> str | dict:
+    """What ``load_experiment`` reads for ``--config``: the file (which must exist) or, without
+    one, the embedded default."""
+    if args.config and not Path(args.config).is_file():
+        raise ConfigError(f"--config {args.config}: no such file")
+    return args.config or {}
+
+
 def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = None) -> Plan:
     """Resolve config + command line + launcher environment into what this process will run."""
     env = dict(os.environ if env is None else env)
@@ -97,8 +105,7 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         import torch
 
         cuda = torch.cuda.is_available()
-    if args.config and not Path(args.config).is_file():
-        raise ConfigError(f"--config {args.config}: no such file")
+    source = config_source(args)
     overrides = parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
@@ -111,7 +118,7 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         except json.JSONDecodeError as exc:
             raise ConfigError(f"--deepspeed_config {ds_path}: not valid JSON ({exc})") from None
         overrides["distributed.deepspeed_config"] = str(ds_path)
-    cfg = load_experiment(args.config or {}, overrides)
+    cfg = load_experiment(source, overrides)
 
     engine = args.engine or cfg.distributed.engine
     if args.deepspeed_config:
@@ -121,7 +128,7 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         engine = "deepspeed"
     if engine != cfg.distributed.engine:
         overrides["distributed.engine"] = engine
-        cfg = load_experiment(args.config or {}, overrides)
+        cfg = load_experiment(source, overrides)
     if engine == "deepspeed" and cfg.distributed.deepspeed_config:
         cfg = _agree_on_precision(args, cfg, overrides)
 
@@ -136,10 +143,13 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         raise ConfigError(f"the launcher started {world} processes but the engine is 'single', which would train "
                           f"{world} independent copies; set distributed.engine (deepspeed or fsdp2) or "
                           "pass --engine")
-    replicate = cfg.distributed.fsdp2.get("replicate", 1)
-    if engine == "fsdp2" and world % replicate:
-        raise ConfigError(f"distributed.fsdp2.replicate={replicate} does not divide the world size {world}: HSDP "
-                          "needs world = replicate x shard-group size")
+    if engine == "fsdp2":
+        from .integrations.fsdp2 import FSDP2Config
+
+        try:
+            FSDP2Config.from_dict(cfg.distributed.fsdp2).check_world(world)
+        except ValueError as exc:
+            raise ConfigError(f"distributed.{exc}") from None
     g = cfg.grpo
     if g.prompts_per_step % world:
         raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "

@@ -312,6 +312,12 @@ class FSDP2Config:
             raise ValueError(f"fsdp2.replicate must be a positive int, got {cfg.replicate!r}")
         return cfg
 
+    def check_world(self, world: int) -> None:
+        """HSDP needs world = replicate x shard-group size."""
+        if world % self.replicate:
+            raise ValueError(f"fsdp2.replicate={self.replicate} does not divide the world size {world}: HSDP "
+                             "needs world = replicate x shard-group size")
+
     def mesh(self):
         """The device mesh: None (FSDP2's default, shard over the world) or, with ``replicate`` > 1,
         a ``(replicate, shard)`` mesh for HSDP. Needs the process group."""
@@ -321,8 +327,7 @@ class FSDP2Config:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
-        if world % self.replicate:
-            raise ValueError(f"fsdp2.replicate={self.replicate} does not divide the world size {world}")
+        self.check_world(world)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return init_device_mesh(device, (self.replicate, world // self.replicate),
                                 mesh_dim_names=("replicate", "shard"))

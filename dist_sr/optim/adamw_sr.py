@@ -132,13 +132,8 @@ class AdamWSR(torch.optim.Optimizer):
 
 
 def _local_shard(t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
-    """The tensor to update in place, with its global offset (see ``fsdp2.local_shard``)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        DTensor = ()
-    if isinstance(t, DTensor):
-        from ..integrations.fsdp2 import local_shard
+    """The tensor to update in place and its global offset: ``fsdp2.local_shard`` (a DTensor's
+    local shard; a plain tensor is its own, at offset 0), on a detached view of the storage."""
+    from ..integrations.fsdp2 import local_shard
 
-        return local_shard(t)
-    return t.data if isinstance(t, torch.nn.Parameter) else t, 0, None
+    return local_shard(t.detach())

@@ -124,20 +124,16 @@ class DeepSpeedEngine:
 
         return layout_free_digest(source_for(self), self.world)
 
-    KEEP = 2  # checkpoint tags kept under <run>/deepspeed/
-
     def save(self, path: Path, step: int) -> None:
         """DeepSpeed's own checkpoint (it writes ``latest`` only after the tag is complete) plus
-        the working weights' digest; tags beyond the newest ``KEEP`` are removed."""
+        the working weights' digest; tags beyond the newest ``KEEP_CHECKPOINTS`` are removed."""
         digest = self.digest()
         root = path / "deepspeed"
         self.engine.save_checkpoint(str(root), tag=f"step{step}",
                                     client_state={"dist_sr_step": step, "dist_sr_digest": digest})
         dist.barrier()
         if self.rank == 0:
-            tags = sorted((d for d in root.glob("step*") if d.is_dir()), key=lambda d: int(d.name[4:]))
-            for old in tags[:-self.KEEP]:
-                shutil.rmtree(old, ignore_errors=True)
+            _prune_checkpoints(root)
         dist.barrier()
 
     def load(self, path: Path) -> int | None:
@@ -190,8 +186,6 @@ class FSDP2Engine:
 
         return layout_free_digest(FSDP2Source(self.module, self.ctx, self.rank, self.world, as_bf16=False), self.world)
 
-    KEEP = 2  # checkpoints kept under <run>/fsdp2/
-
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -229,10 +223,7 @@ class FSDP2Engine:
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after its rename
             os.replace(tmp, final)
             _write_atomic(root / "latest", final.name)
-            done = sorted((d for d in root.glob("step*") if d.is_dir() and not d.name.endswith(".tmp")),
-                          key=lambda d: int(d.name[4:]))
-            for old in done[:-self.KEEP]:
-                shutil.rmtree(old, ignore_errors=True)
+            _prune_checkpoints(root)
         dist.barrier()  # nobody returns (or reads 'latest') before the rename
 
     def load(self, path: Path) -> int | None:
@@ -259,6 +250,17 @@ class FSDP2Engine:
             raise RuntimeError(f"{ckpt}: working weights re-derived from the loaded masters have digest {digest}, "
                                f"the checkpoint recorded {meta['digest']} (saved by {meta['world']} ranks)")
         return int(meta["step"])
+
+
+KEEP_CHECKPOINTS = 2  # step directories kept under <run>/deepspeed/ and <run>/fsdp2/
+
+
+def _prune_checkpoints(root: Path) -> None:
+    """Remove all but the newest ``KEEP_CHECKPOINTS`` complete ``step<N>`` directories."""
+    done = sorted((d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()),
+                  key=lambda d: int(d.name[4:]))
+    for old in done[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -350,19 +350,17 @@ class WeightSync:
     def _pack(self, chunks: list[torch.Tensor], nbytes: int) -> torch.Tensor:
         """One contiguous byte buffer of a bucket (a lone contiguous tensor is sent in place; the
         staging buffer is reused across syncs, so its pages are touched once)."""
+        size = sum(c.numel() * c.element_size() for c in chunks)
+        if size != nbytes:
+            raise RuntimeError(f"bucket buffer has {size} bytes, the plan says {nbytes}")
         if len(chunks) == 1 and chunks[0].is_contiguous():
-            buf = chunks[0].reshape(-1).view(torch.uint8)
-        else:
-            staging = getattr(self, "_staging", None)
-            if staging is None or staging.numel() < nbytes:
-                self._staging = staging = torch.empty(nbytes, dtype=torch.uint8)
-            buf, at = staging[:nbytes], 0
-            for c in chunks:
-                b = c.reshape(-1).contiguous().view(torch.uint8)
-                buf[at:at + b.numel()].copy_(b)
-                at += b.numel()
-            if at != nbytes:
-                raise RuntimeError(f"bucket buffer has {at} bytes, the plan says {nbytes}")
-        if buf.numel() != nbytes:
-            raise RuntimeError(f"bucket buffer has {buf.numel()} bytes, the plan says {nbytes}")
+            return chunks[0].reshape(-1).view(torch.uint8)
+        staging = getattr(self, "_staging", None)
+        if staging is None or staging.numel() < nbytes:
+            self._staging = staging = torch.empty(nbytes, dtype=torch.uint8)
+        buf, at = staging[:nbytes], 0
+        for c in chunks:
+            b = c.reshape(-1).contiguous().view(torch.uint8)
+            buf[at:at + b.numel()].copy_(b)
+            at += b.numel()
         return buf

@@ -3,9 +3,9 @@ materialising the whole model.
 
 A source answers three questions, the same way on every trainer rank:
 - ``metadata()``: every tensor's name, dtype and full shape, in model order;
-- ``local_pieces(names)``: the flat ranges this rank holds and their bits (shard-direct sends
-  these as they are: an FSDP2 shard rounded with the global key, a ZeRO-3 partition, or this
-  rank's slice of a replicated tensor);
+- ``local_pieces(names)``: an iterable of the flat ranges this rank holds and their bits
+  (shard-direct sends these as they are: an FSDP2 shard rounded with the global key, a ZeRO-3
+  partition, or this rank's slice of a replicated tensor);
 - ``gather(names)``: the full tensors of one bucket on rank 0 (a collective every rank joins).
 
 The bits are the working weights the forward pass uses: SR'd BF16 where the precision rounds.
@@ -100,16 +100,16 @@ class FSDP2Source:
                                         mode=self.ctx.mode)
 
     def local_pieces(self, names):
-        """This rank's shard of each tensor. Under HSDP the ranks holding the same shard (one per
-        replica group) each take an equal part of it, so every element is sent (and summed) once
-        and every group's links carry a share."""
+        """This rank's shard of each tensor, rounded one at a time as the caller iterates (a
+        generator: only one rounded copy is alive at once). Under HSDP the ranks holding the same
+        shard (one per replica group) each take an equal part of it, so every element is sent (and
+        summed) once and every group's links carry a share."""
         from ..integrations.fsdp2 import replica_slot
 
-        out, params = [], self.params
+        params = self.params
         for n in names:
             offset, bits = self._rounded_local(n, params, replica_slot(params[n]))
-            out.append((n, offset, offset + bits.numel(), bits.reshape(-1)))
-        return out
+            yield n, offset, offset + bits.numel(), bits.reshape(-1)
 
     def gather(self, names):
         from torch.distributed.tensor import DTensor
@@ -171,11 +171,8 @@ def digest_entries(source, world: int, group=None) -> dict:
     """Every rank: digest entries of the source's tensors from the pieces each rank holds, one
     tensor at a time (nothing is gathered or materialised whole); collective."""
     metas = source.metadata()
-    sums = {}
-    for name, _, _ in metas:
-        for n, start, end, bits in source.local_pieces([name]):
-            if end > start:
-                sums[n] = piece_sum(bits, start)
+    sums = {n: piece_sum(bits, start) for n, start, end, bits in source.local_pieces([m[0] for m in metas])
+            if end > start}
     return add_rank_sums(sums, metas, world, group)
 
 
