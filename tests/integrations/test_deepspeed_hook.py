@@ -6,18 +6,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import dist_sr_deepspeed_hook as hook
-from tests.dist_utils import free_port
+from tests.dist_utils import REPO, free_port, launcher_env
 
 deepspeed = pytest.importorskip("deepspeed")
 from dist_sr.integrations.deepspeed import _take_sr_block  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 SR = {"enabled": True, "seed": 77, "mode": "stochastic"}
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
         "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
@@ -134,8 +131,7 @@ def installed_hook():
 def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, installed_hook):
     (tmp_path / "train.py").write_text(USER_SCRIPT)
     (tmp_path / "ds.json").write_text(json.dumps({**BASE, "stochastic_rounding": SR}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = launcher_env()
     results = {}
     for label, switch in (("hook", "1"), ("off", "0")):
         out = tmp_path / f"{label}.json"
@@ -191,8 +187,7 @@ def test_the_hugging_face_trainer_with_deepspeed_gets_keyed_sr_from_its_json(tmp
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
         "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
         "stochastic_rounding": SR}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = launcher_env()
     r = subprocess.run(["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", "train.py", "result.json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,15 +1,12 @@
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.dist_utils import free_port  # noqa: F401  (re-exported for the launch tests)
+from tests.dist_utils import free_port, launcher_env  # noqa: F401  (free_port: re-exported for the launch tests)
 from tests.rl.conftest import EASY
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent  # torchrun / deepspeed / dist-sr of this environment
 
 
 def write_experiment(path: Path, **sections) -> Path:
@@ -30,10 +27,7 @@ def write_experiment(path: Path, **sections) -> Path:
 @pytest.fixture
 def launch_env(warmup_cache):
     """Environment for launcher subprocesses: this venv's tools first, one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=str(REPO))
-    return env
+    return launcher_env()
 
 
 @pytest.fixture(scope="session")

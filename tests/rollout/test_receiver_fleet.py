@@ -63,12 +63,17 @@ def _worker(rank, world, data):
             json.dump(out, f)
 
 
+def _sync_with_both_transports(worker, world: int, urls: list[str], tmp_path) -> dict:
+    """Run ``worker`` on ``world`` ranks, which syncs to ``urls`` once per transport; its rank 0's report."""
+    out = tmp_path / "r.json"
+    run_workers(worker, world, {"urls": urls, "out": str(out),
+                                "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
+    return json.loads(out.read_text())
+
+
 def test_three_receivers_get_the_same_bytes_from_two_ranks_with_both_transports(receivers, tmp_path):
     urls = [url for _, url in receivers(3)]
-    out = tmp_path / "r.json"
-    run_workers(_worker, 2, {"urls": urls, "out": str(out),
-                             "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
-    r = json.loads(out.read_text())
+    r = _sync_with_both_transports(_worker, 2, urls, tmp_path)
     assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["reference"]
     assert r["broadcast"]["ready"] == r["shard-direct"]["ready"] == urls
     numel = sum(p.numel() for p in _model().parameters())
@@ -128,10 +133,7 @@ def _hsdp_worker(rank, world, data):
 
 def test_hsdp_shard_direct_sends_each_element_once_from_every_replica_group(receivers, tmp_path):
     urls = [url for _, url in receivers(2)]
-    out = tmp_path / "r.json"
-    run_workers(_hsdp_worker, 4, {"urls": urls, "out": str(out),
-                                  "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
-    r = json.loads(out.read_text())
+    r = _sync_with_both_transports(_hsdp_worker, 4, urls, tmp_path)
     assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["expected"]
     assert r["broadcast"]["ready"] == r["shard-direct"]["ready"] == urls
     sent = r["shard-direct"]["sent"]
