@@ -15,59 +15,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from dist_sr.numerics import cpu_kernel
-from dist_sr.numerics.fused import AdamWHyper, adamw_step_
-from dist_sr.numerics.key import stream_key
-from dist_sr.numerics.rounding import _as_int64
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def timer(device: str):
-    if device == "cuda":
-        def run(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-    else:
-        def run(fn):
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-    return run
+from bench.common import round_robin  # noqa: E402
+from dist_sr.numerics import cpu_kernel  # noqa: E402
+from dist_sr.numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan  # noqa: E402
+from dist_sr.numerics.key import signed64, stream_key  # noqa: E402
 
 
 def medians(candidates: dict, rounds: int, device: str) -> dict[str, float]:
-    run = timer(device)
-    for fn in candidates.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            times[name].append(run(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return round_robin(candidates, rounds, device)
+
+
+def torch_ops_sr(x: torch.Tensor) -> torch.Tensor:
+    """SR the way users write it in plain torch (torchao's recipe): random 16 bits, add, mask."""
+    r = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
+    return ((x.view(torch.int32) + r) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 def cast_candidates(n: int, device: str) -> dict:
     x = torch.randn(n, device=device)
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
     f32 = torch.empty(n, device=device)
-    key = stream_key(seed=1, step=1, param="bench.weight")
+    key = signed64(stream_key(seed=1, step=1, param="bench.weight"))
     c = {"RTN cast out.copy_(x)": lambda: out.copy_(x), "FP32 copy": lambda: f32.copy_(x)}
     if device == "cpu":
         kernel = cpu_kernel.load()
-        c["dist-sr SR (C++)"] = lambda: kernel.round_tensor(x, out, True, _as_int64(key), 0)
+        c["dist-sr SR (C++)"] = lambda: kernel.round_tensor(x, out, True, key, 0)
     else:
-        from dist_sr.numerics import triton_kernels as tk
+        from dist_sr.numerics import stochastic_round
 
-        c["dist-sr SR (Triton)"] = lambda: tk.round_many([x], [out], [key], [0])
+        # the public call, as users make it (key derivation and launch included)
+        c["dist-sr SR (Triton)"] = lambda: stochastic_round(x, seed=1, step=1, param="bench.weight", out=out)
+        c["SR in torch ops (randint + mask)"] = lambda: torch_ops_sr(x)
     try:
         from torchao.optim.quant_utils import _fp32_to_bf16_sr
 
@@ -87,23 +72,19 @@ def optimizer_candidates(n: int, device: str) -> dict:
     shadow.grad = param.grad.clone()
     shadow_opt = torch.optim.AdamW([shadow], lr=1e-5, fused=True)
     working = torch.empty(n, dtype=torch.bfloat16, device=device)
-    key = stream_key(seed=1, step=1, param="bench.weight")
-    kernel = cpu_kernel.load() if device == "cpu" else None
 
     def torch_then_sr():
-        shadow_opt.step()
-        if kernel is not None:
-            kernel.round_tensor(shadow, working, True, _as_int64(key), 0)
-        else:
-            from dist_sr.numerics import triton_kernels as tk
+        from dist_sr.numerics import stochastic_round
 
-            tk.round_many([shadow.data], [working], [key], [0])
+        shadow_opt.step()
+        stochastic_round(shadow.data, seed=1, step=1, param="bench.weight", out=working)
 
     s, m, v = (torch.randn(n, device=device, generator=g) for _ in range(3))
     v.abs_()
     g16 = param.grad.to(torch.bfloat16)
     h = AdamWHyper(1e-5, 0.9, 0.999, 1e-8, 0.01, 10)
-    fused = lambda grad: adamw_step_(s, m, v, grad, working, hyper=h, seed=1, step=1, param="w")  # noqa: E731
+    plan = AdamWPlan([AdamWPiece("w", s, m, v, working)])
+    fused = lambda grad: plan.step_([grad], [h], seed=1, step=1)  # noqa: E731
     return {
         "torch AdamW(fused=True), FP32 params+grads": torch_fused.step,
         "torch AdamW(fused=True) + separate SR pass": torch_then_sr,

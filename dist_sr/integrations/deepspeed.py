@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..numerics import RoundingJob, round_jobs
+from ..numerics import RoundingBatch, RoundingJob
 from ..numerics.key import MODES, check_mode, normalize_param_name
 
 TESTED = ((0, 19, 8), (0, 20, 0))  # [low, high): the DeepSpeed versions whose internals were tested
@@ -201,6 +201,7 @@ class DeepSpeedSR:
         self.optimizer = engine.optimizer
         self.names = {id(p): normalize_param_name(n) for n, p in engine.module.named_parameters()}
         self._in_step = False
+        self._batches: dict = {}
         opt = self.optimizer
         if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
             self.kind = "zero3"
@@ -232,23 +233,51 @@ class DeepSpeedSR:
     @torch.no_grad()
     def round_local(self) -> None:
         """Overwrite this rank's BF16 partition with the keyed rounding of its FP32 master."""
-        jobs = []
+        if self.kind == "zero3":
+            for sub_group_id in range(len(self.optimizer.fp16_groups)):
+                self._round_zero3(sub_group_id)
+            return
+        self._batch("local", self._local_sources, self._local_jobs).run(seed=self.seed, step=self.step, mode=self.mode)
+
+    def _batch(self, key, sources, jobs) -> RoundingBatch:
+        """The cached rounding of one set of pieces, rebuilt when any piece's storage moved (every
+        step reads only the addresses; jobs and launch tables are built once)."""
+        signature = sources()
+        cached = self._batches.get(key)
+        if cached is None or cached[0] != signature:
+            cached = self._batches[key] = (signature, RoundingBatch(jobs()))
+        return cached[1]
+
+    def _local_pairs(self):
+        """(name, FP32 source, BF16 destination, offset) of every piece this rank rounds (stages 0-2)."""
         if self.kind == "stage0":
             opt = self.optimizer
             for fp32_group, lp_group in zip(opt.fp32_groups, opt.fp16_groups):
-                jobs.extend(RoundingJob(self.names[id(lp)], hp.data, lp.data) for hp, lp in zip(fp32_group, lp_group))
-        elif self.kind == "zero3":
-            for sub_group_id in range(len(self.optimizer.fp16_groups)):
-                jobs.extend(self._zero3_jobs(sub_group_id))
-        else:
-            for group in self._lp_groups():
-                for p in group:
-                    mapping = getattr(p, "_hp_mapping", None)
-                    if mapping is None:
-                        continue
-                    jobs.append(RoundingJob(self.names[id(p)], mapping.hp_fragment.data,
-                                            mapping.lp_fragment.data, mapping.lp_fragment_address.start))
-        round_jobs(jobs, seed=self.seed, step=self.step, mode=self.mode)
+                for hp, lp in zip(fp32_group, lp_group):
+                    yield self.names[id(lp)], hp, lp, 0
+            return
+        for group in self._lp_groups():
+            for p in group:
+                mapping = getattr(p, "_hp_mapping", None)
+                if mapping is not None:
+                    yield (self.names[id(p)], mapping.hp_fragment, mapping.lp_fragment,
+                           mapping.lp_fragment_address.start)
+
+    def _local_sources(self) -> tuple:
+        return tuple((hp.data_ptr(), lp.data_ptr(), hp.numel(), offset) for _, hp, lp, offset in self._local_pairs())
+
+    def _local_jobs(self) -> list[RoundingJob]:
+        return [RoundingJob(name, hp.data, lp.data, offset) for name, hp, lp, offset in self._local_pairs()]
+
+    def _round_zero3(self, sub_group_id: int) -> None:
+        opt = self.optimizer
+        fp32_flat = opt.fp32_partitioned_groups_flat[sub_group_id]
+
+        def sources():
+            return (fp32_flat.data_ptr(), *(part.data_ptr() for part in opt.fp16_partitioned_groups[sub_group_id]))
+
+        batch = self._batch(("zero3", sub_group_id), sources, lambda: self._zero3_jobs(sub_group_id))
+        batch.run(seed=self.seed, step=self.step, mode=self.mode)
 
     def _zero3_jobs(self, sub_group_id: int) -> list[RoundingJob]:
         import deepspeed.comm as ds_dist
@@ -289,7 +318,7 @@ class DeepSpeedSR:
                 original(sub_group_id)  # the RTN copy and the re-pointing of ds_tensors
                 if opt.fp16_partitioned_groups_flat[sub_group_id] is None:
                     raise NotImplementedError("dist_sr: ZeRO-3 with NVMe parameter swapping is not supported")
-                round_jobs(self._zero3_jobs(sub_group_id), seed=self.seed, step=self.step, mode=self.mode)
+                self._round_zero3(sub_group_id)
 
             opt._reassign_or_swap_out_partitioned_parameters = reassign
         elif self.kind != "stage0":

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 
 from . import cpu_kernel, reference
-from .key import check_mode, stream_key
+from .key import check_mode, signed64, stream_key, stream_keys
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 
@@ -64,8 +64,20 @@ def stochastic_round(
 
     Returns ``out`` (BF16, same shape as ``x``), allocated if not given.
     """
+    check_mode(mode)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     job = RoundingJob(param, x, _out_for(x, out), offset, row_stride)
-    round_jobs([job], seed=seed, step=step, mode=mode, backend=backend)
+    _validate(job)
+    if x.numel() == 0:
+        return job.out
+    # one tensor: no batch, no table, no upload (the key travels as a kernel argument)
+    key = None if mode == "nearest" else signed64(stream_key(seed=seed, step=step, param=param, mode=mode))
+    src = x.detach().contiguous().view(-1)
+    dst = job.out if job.out.is_contiguous() else torch.empty_like(job.out, memory_format=torch.contiguous_format)
+    _ROUND_ONE[choose_backend(backend, param, x.device)](src, dst.view(-1), key, offset, _rows(job))
+    if dst is not job.out:
+        job.out.copy_(dst)
     return job.out
 
 
@@ -77,47 +89,142 @@ def round_jobs(
     mode: str = "stochastic",
     backend: str = "auto",
 ) -> None:
-    """Round many pieces at one (seed, step, mode) with as few kernel calls as possible."""
-    check_mode(mode)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    keyed = mode != "nearest"
-    batches: dict[str, list[tuple[torch.Tensor, torch.Tensor, int | None, int]]] = {"cpu": [], "triton": []}
-    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for job in jobs:
-        _validate(job)
-        key = stream_key(seed=seed, step=step, param=job.param, mode=mode) if keyed else None
-        x = job.x.detach().contiguous().view(-1)
-        dst = job.out
-        if not dst.is_contiguous():
-            dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
-            copy_back.append((job.out, dst))
-        chosen = _choose(backend, job.param, x.device)
-        if job.row_stride is not None and keyed:
-            rows = (job.x.shape[-1] if job.x.dim() else 1, job.row_stride)
-            if chosen == "cpu":
-                cpu_kernel.load().round_rows(x, dst.view(-1), _as_int64(key), job.offset, *rows)
-            elif chosen == "triton":
-                from . import triton_kernels
+    """Round many pieces at one (seed, step, mode): one kernel call per backend for all of them
+    (one C++ call for CPU tensors, one Triton launch for CUDA tensors; strided shards each their
+    own). Code that rounds the same pieces every step keeps a ``RoundingBatch`` instead."""
+    RoundingBatch(jobs, backend=backend).run(seed=seed, step=step, mode=mode)
 
-                triton_kernels.round_many([x], [dst.view(-1)], [key], [job.offset], rows=[rows])
-            else:
-                reference.round_into(x, dst.view(-1), key, job.offset, rows)
-        elif chosen == "reference":
-            reference.round_into(x, dst.view(-1), key, job.offset)
+
+class RoundingBatch:
+    """A fixed list of pieces rounded again and again (an optimizer's working weights, a
+    DeepSpeed partition). Checked and prepared once; ``run`` does O(pieces) host work (the keys
+    and the pieces' addresses, to notice a tensor whose storage was replaced), one kernel call
+    per backend, and never reads a device value back."""
+
+    def __init__(self, jobs: Sequence[RoundingJob] | Iterable[RoundingJob], *, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.jobs = list(jobs)
+        self.backend = backend
+        for job in self.jobs:
+            _validate(job)
+        self.names = [job.param for job in self.jobs]
+        self._prepare()
+
+    def _addresses(self) -> list[int]:
+        return [t.data_ptr() for job in self.jobs for t in (job.x, job.out)]
+
+    def _prepare(self) -> None:
+        self._seen = self._addresses()
+        self.xs, self.outs, self._copy_back = [], [], []
+        self._by_backend: dict[str, list[int]] = {}
+        for i, job in enumerate(self.jobs):
+            self.xs.append(job.x.detach().contiguous().view(-1))
+            dst = job.out
+            if not dst.is_contiguous():
+                dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
+                self._copy_back.append((job.out, dst))
+            self.outs.append(dst.view(-1))
+            self._by_backend.setdefault(choose_backend(self.backend, job.param, self.xs[i].device), []).append(i)
+        self._contiguous_x = all(job.x.is_contiguous() for job in self.jobs)
+        self._launches: dict[str, object] = {}
+
+    def run(self, *, seed: int, step: int, mode: str = "stochastic") -> None:
+        check_mode(mode)
+        if not self.jobs:
+            return
+        if not self._contiguous_x or self._addresses() != self._seen:
+            self._prepare()  # a non-contiguous input is copied afresh; a replaced storage is re-read
+        keys = stream_keys(self.names, seed=seed, step=step, mode=mode) if mode != "nearest" else None
+        for chosen, idx in self._by_backend.items():
+            _BACKEND_ROUNDERS[chosen](self, idx, keys)
+        for out, dst in self._copy_back:
+            out.copy_(dst)
+
+
+    def run_on_device(self, device_step) -> None:
+        """Round with the keys of step ``device_step.counter + 1``, derived on the device (CUDA,
+        Triton backend, contiguous pieces): a step captured in a CUDA graph replays with the keys
+        of the step it replays."""
+        odd = set(self._by_backend) - {"triton"}
+        if odd or any(job.row_stride is not None for job in self.jobs) or self._copy_back:
+            raise ValueError("rounding with keys derived on the device needs contiguous CUDA pieces on the Triton "
+                             f"backend (got backends {sorted(set(self._by_backend))})")
+        if self._addresses() != self._seen:
+            self._prepare()
+        _round_triton(self, self._by_backend.get("triton", []), None, device_step)
+
+
+def _rows(job: RoundingJob) -> tuple[int, int] | None:
+    return None if job.row_stride is None else (job.x.shape[-1] if job.x.dim() else 1, job.row_stride)
+
+
+def _round_reference(batch: RoundingBatch, idx, keys) -> None:
+    for i in idx:
+        job = batch.jobs[i]
+        reference.round_into(batch.xs[i], batch.outs[i], None if keys is None else int(keys[i]) % (1 << 64),
+                             job.offset, _rows(job))
+
+
+def _round_cpu(batch: RoundingBatch, idx, keys) -> None:
+    kernel = cpu_kernel.load()
+    flat = []
+    for i in idx:
+        rows = _rows(batch.jobs[i])
+        if rows is not None and keys is not None:
+            kernel.round_rows(batch.xs[i], batch.outs[i], int(keys[i]), batch.jobs[i].offset, *rows)
         else:
-            batches[chosen].append((x, dst.view(-1), key, job.offset))
-    if batches["cpu"]:
-        b = batches["cpu"]
-        cpu_kernel.load().round_tensors([i[0] for i in b], [i[1] for i in b], keyed,
-                                        [_as_int64(i[2]) if keyed else 0 for i in b], [i[3] for i in b])
-    if batches["triton"]:
-        from . import triton_kernels
+            flat.append(i)
+    if flat:
+        kernel.round_tensors([batch.xs[i] for i in flat], [batch.outs[i] for i in flat], keys is not None,
+                             [] if keys is None else keys[flat].tolist(), [batch.jobs[i].offset for i in flat])
 
-        b = batches["triton"]
-        triton_kernels.round_many([i[0] for i in b], [i[1] for i in b], [i[2] for i in b], [i[3] for i in b])
-    for out, dst in copy_back:
-        out.copy_(dst)
+
+def _round_triton(batch: RoundingBatch, idx, keys, device_step=None) -> None:
+    from . import triton_launch
+
+    flat = []
+    for i in idx:
+        rows = _rows(batch.jobs[i])
+        if rows is not None and keys is not None:
+            triton_launch.round_one(batch.xs[i], batch.outs[i], int(keys[i]), batch.jobs[i].offset, rows)
+        else:
+            flat.append(i)
+    if not flat:
+        return
+    launch = batch._launches.get(("triton", tuple(flat)))
+    if launch is None:
+        launch = triton_launch.SRLaunch([batch.xs[i] for i in flat], [batch.outs[i] for i in flat],
+                                        [batch.jobs[i].offset for i in flat])
+        batch._launches[("triton", tuple(flat))] = launch
+    if device_step is not None:
+        launch(None, device_step, [batch.names[i] for i in flat])
+    else:
+        launch(None if keys is None else keys[flat])
+
+
+_BACKEND_ROUNDERS = {"reference": _round_reference, "cpu": _round_cpu, "triton": _round_triton}
+
+
+def _one_reference(x, out, key, offset, rows) -> None:
+    reference.round_into(x, out, None if key is None else key % (1 << 64), offset, rows)
+
+
+def _one_cpu(x, out, key, offset, rows) -> None:
+    kernel = cpu_kernel.load()
+    if rows is not None and key is not None:
+        kernel.round_rows(x, out, key, offset, *rows)
+    else:
+        kernel.round_tensor(x, out, key is not None, 0 if key is None else key, offset)
+
+
+def _one_triton(x, out, key, offset, rows) -> None:
+    from . import triton_launch
+
+    triton_launch.round_one(x, out, key, offset, rows)
+
+
+_ROUND_ONE = {"reference": _one_reference, "cpu": _one_cpu, "triton": _one_triton}
 
 
 _warned_no_triton = False
@@ -132,7 +239,8 @@ def triton_available() -> str | None:
     return None
 
 
-def _choose(backend: str, param: str, device: torch.device) -> str:
+def choose_backend(backend: str, param: str, device: torch.device) -> str:
+    """The backend that rounds ``param``'s tensors on ``device`` under the user's choice ``backend``."""
     global _warned_no_triton
     if backend == "reference":
         return "reference"
@@ -157,10 +265,6 @@ def _choose(backend: str, param: str, device: torch.device) -> str:
             warnings.warn(f"dist_sr: Triton rounding kernel unavailable ({why}); using the pure-torch reference, "
                           "which gives the same bits more slowly", RuntimeWarning, stacklevel=4)
     return "reference"
-
-
-def _as_int64(key: int) -> int:
-    return key - (1 << 64) if key >= 1 << 63 else key
 
 
 def _out_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -1,187 +1,262 @@
-"""Triton kernels: the keyed SR cast and fused AdamW + SR, for many tensors in one launch.
+"""Triton kernels: the keyed SR cast and the fused AdamW steps, for any number of tensors per launch.
 
-Bitwise equal to the reference and the C++ kernel: the same key (only ``K`` and the global index
-enter the kernel), 64-bit unsigned SplitMix64, and for AdamW the same sequence of IEEE-rounded
-operations (launched with ``enable_fp_fusion=False``, ``sqrt_rn`` and ``div_rn``).
+Device code only; ``triton_launch`` builds the launches. Bitwise equal to the reference and the
+C++ kernel: only the stream key ``K`` and the global element index enter, the hash is 64-bit
+unsigned SplitMix64, and AdamW is the same sequence of IEEE-rounded operations (launched with
+``enable_fp_fusion=False``, ``sqrt_rn`` and ``div_rn``).
 
-A launch covers a list of tensors through a task table: one program per (tensor, block), with
-each tensor's pointers, length, key and global offset read from small int64 arrays. Under
-``TRITON_INTERPRET=1`` the same kernels run on CPU tensors, which is how they are tested on a
-machine without a GPU.
+Layout of a block: ``BLOCK`` consecutive elements seen as ``[BLOCK // 4, 4]``, one row per
+hash. Row ``r`` of block ``b`` of a tensor whose first element has global index ``g0`` holds
+global indices ``4 * q .. 4 * q + 3`` with ``q = (g0 - g0 % 4) / 4 + b * BLOCK / 4 + r``; local
+element ``j = 4 * (q - q0) + c - g0 % 4``. So one 64-bit hash feeds the row's four elements
+exactly as the contract says (``h_q >> 16 * (i & 3)``), whatever the offset.
+
+``ALIGNED`` launches (every pointer 16-byte aligned, ``g0 % 4 == 0``) tell the compiler so:
+full blocks then load and store 16 bytes per thread and instruction. Other launches are correct
+for any address and offset, with narrower accesses.
+
+Multi-tensor launches read per-tensor fields from an int64 table ``meta[F, T]`` (field-major)
+and find their tensor by binary search in ``starts[T + 1]`` (the cumulative block counts), so
+the host builds O(T) data however many elements the tensors hold.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Sequence
-
-import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024
+GAMMA = 0x9E3779B97F4A7C15
 
 
 @triton.jit
-def _round_block(b, idx, key, KEYED: tl.constexpr):
-    """BF16 bits (uint32) of FP32 bits ``b`` (uint32) at global indices ``idx`` (uint64)."""
+def _mix(z):
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _row_bits(key, q):
+    """``[R, 4]`` uint32 random bits of rows ``q`` (``[R]`` int64 global 4-element groups)."""
+    h = _mix(key + (q.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+    shift = (tl.arange(0, 4) * 16).to(tl.uint64)
+    return ((h[:, None] >> shift[None, :]) & 0xFFFF).to(tl.uint32)
+
+
+@triton.jit
+def _to_bf16(b, r):
+    """BF16 bits (uint16) of FP32 bits ``b`` (uint32) plus random bits ``r``; NaN -> 0x7FC0."""
+    y = (b + r) >> 16
+    return tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, y).to(tl.uint16)
+
+
+@triton.jit
+def _round(b, key, q, KEYED: tl.constexpr):
     if KEYED:
-        z = key + ((idx >> 2) + 1) * 0x9E3779B97F4A7C15
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        z = z ^ (z >> 31)
-        r = ((z >> ((idx & 3) * 16)) & 0xFFFF).to(tl.uint32)
+        r = _row_bits(key, q)
     else:
         r = 0x7FFF + ((b >> 16) & 1)
-    y = (b + r) >> 16
-    is_nan = (b & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(is_nan, 0x7FC0, y)
+    return _to_bf16(b, r)
 
 
 @triton.jit
-def _task(task_tensor, task_block, ns, keys, offsets):
-    pid = tl.program_id(0)
-    t = tl.load(task_tensor + pid)
-    start = tl.load(task_block + pid).to(tl.int64)
-    n = tl.load(ns + t)
-    key = tl.load(keys + t).to(tl.uint64, bitcast=True)
-    offset = tl.load(offsets + t)
-    return t, start, n, key, offset
+def _widen(bits16):
+    """FP32 value of BF16 bits (uint16)."""
+    return (bits16.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _sr_kernel(task_tensor, task_block, x_ptrs, out_ptrs, ns, keys, offsets, row_lens, row_strides,
-               KEYED: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n, key, offset = _task(task_tensor, task_block, ns, keys, offsets)
-    x_ptr = tl.load(x_ptrs + t).to(tl.pointer_type(tl.uint32))
-    out_ptr = tl.load(out_ptrs + t).to(tl.pointer_type(tl.uint16))
-    j = start + tl.arange(0, BLOCK).to(tl.int64)
+def _find(starts, pid, T, LOG2T: tl.constexpr):
+    """The tensor ``t`` with ``starts[t] <= pid < starts[t + 1]`` (``starts`` non-decreasing)."""
+    lo = pid * 0
+    hi = lo + T
+    for _ in tl.static_range(LOG2T):
+        mid = (lo + hi) // 2
+        right = tl.load(starts + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _tile(blk, g0, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Local element indices ``[R, 4]`` and global rows ``[R]`` of block ``blk``."""
+    R: tl.constexpr = BLOCK // 4
+    rows = tl.arange(0, R).to(tl.int64)
+    u = blk * BLOCK + rows[:, None] * 4 + tl.arange(0, 4)[None, :]
+    if ALIGNED:
+        return u, g0 // 4 + blk * R + rows
+    shift = g0 % 4
+    return u - shift, (g0 - shift) // 4 + blk * R + rows
+
+
+# ---- SR cast -----------------------------------------------------------------------------------
+
+@triton.jit
+def _sr_block(x_ptr, out_ptr, n, g0, key, blk, KEYED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    j, q = _tile(blk, g0, BLOCK, ALIGNED)
+    if ALIGNED and blk * BLOCK + BLOCK <= n:  # a full block: no mask, 16-byte accesses
+        b = tl.load(x_ptr + j)
+        tl.store(out_ptr + j, _round(b, key, q, KEYED))
+    else:
+        mask = (j >= 0) & (j < n)
+        b = tl.load(x_ptr + j, mask=mask, other=0)
+        tl.store(out_ptr + j, _round(b, key, q, KEYED), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n", "g0", "key"])
+def sr_one_kernel(x_ptr, out_ptr, n, g0, key, KEYED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """One tensor: ``x`` (FP32 bits as uint32) -> ``out`` (BF16 bits as uint16); ``key`` is the
+    stream key as a signed 64-bit int."""
+    key = key.to(tl.int64).to(tl.uint64, bitcast=True)
+    _sr_block(x_ptr, out_ptr, n, g0.to(tl.int64), key, tl.program_id(0).to(tl.int64), KEYED, ALIGNED, BLOCK)
+
+
+# meta rows of a multi-tensor SR launch
+SR_FIELDS = ("x", "out", "n", "g0")
+
+
+@triton.jit
+def sr_many_kernel(meta, starts, keys, T, LOG2T: tl.constexpr, KEYED: tl.constexpr, ALIGNED: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Many tensors: ``meta[SR_FIELDS, T]``, block counts ``starts[T + 1]``, ``keys[T]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = _find(starts, pid, T, LOG2T)
+    blk = pid - tl.load(starts + t)
+    x_ptr = tl.load(meta + t).to(tl.pointer_type(tl.uint32))
+    out_ptr = tl.load(meta + T + t).to(tl.pointer_type(tl.uint16))
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        out_ptr = tl.multiple_of(out_ptr, 16)
+    n = tl.load(meta + 2 * T + t)
+    g0 = tl.load(meta + 3 * T + t)
+    if KEYED:
+        key = tl.load(keys + t).to(tl.uint64, bitcast=True)
+    else:
+        key = 0
+    _sr_block(x_ptr, out_ptr, n, g0, key, blk, KEYED, ALIGNED, BLOCK)
+
+
+@triton.jit(do_not_specialize=["n", "g0", "key", "row_len", "row_stride"])
+def sr_rows_kernel(x_ptr, out_ptr, n, g0, key, row_len, row_stride, KEYED: tl.constexpr, BLOCK: tl.constexpr):
+    """A strided shard (see ``RoundingJob``): local ``(r, c)`` is global ``g0 + r * row_stride + c``.
+    One hash per element: rows need not align with the 4-element groups."""
+    key = key.to(tl.int64).to(tl.uint64, bitcast=True)
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = j < n
     b = tl.load(x_ptr + j, mask=mask, other=0)
-    if STRIDED:  # a strided shard: local row r, column c is global offset + r * row_stride + c
-        row_len = tl.load(row_lens + t)
-        g = offset + (j // row_len) * tl.load(row_strides + t) + j % row_len
+    if KEYED:
+        g = (g0 + (j // row_len) * row_stride + j % row_len).to(tl.uint64)
+        h = _mix(key + ((g >> 2) + 1) * 0x9E3779B97F4A7C15)
+        r = ((h >> ((g & 3) * 16)) & 0xFFFF).to(tl.uint32)
     else:
-        g = offset + j
-    y = _round_block(b, g.to(tl.uint64), key, KEYED)
-    tl.store(out_ptr + j, y.to(tl.uint16), mask=mask)
+        r = 0x7FFF + ((b >> 16) & 1)
+    tl.store(out_ptr + j, _to_bf16(b, r), mask=mask)
+
+
+# ---- fused AdamW ---------------------------------------------------------------------------------
+# Two flavours share one body. Shadow (PURE=False): FP32 shadow ``p``, FP32 moments, BF16 working
+# copy ``out = round(p)``. Pure BF16 (PURE=True, arXiv 2502.20566): BF16 ``p`` updated in place
+# with ``round(p')``; moments FP32, or BF16 rounded with their own keys (MOMENT_BF16).
+
+# meta rows of a multi-tensor AdamW launch (``out`` unused when PURE)
+ADAMW_FIELDS = ("p", "m", "v", "out", "n", "g0")
+# per-step rows: gradient address, index of the constants row (keys come in their own [3, T]:
+# param, exp_avg, exp_avg_sq)
+ADAMW_STEP_FIELDS = ("grad", "slot")
+# FP32 constants per slot, computed on the host in double (``fused.AdamWHyper.scalars``)
+ADAMW_CONSTS = ("one_minus_beta1", "beta2", "one_minus_beta2", "decay", "neg_step_size", "rbc2", "eps", "unused")
 
 
 @triton.jit
-def _adamw_kernel(task_tensor, task_block, s_ptrs, m_ptrs, v_ptrs, g_ptrs, out_ptrs, ns, keys, offsets, consts,
-                  KEYED: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n, key, offset = _task(task_tensor, task_block, ns, keys, offsets)
-    s_ptr = tl.load(s_ptrs + t).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32))
-    out_ptr = tl.load(out_ptrs + t).to(tl.pointer_type(tl.uint16))
-    c = consts + t * 8
-    one_minus_beta1 = tl.load(c + 0)
-    beta2 = tl.load(c + 1)
-    one_minus_beta2 = tl.load(c + 2)
-    decay = tl.load(c + 3)
-    neg_step_size = tl.load(c + 4)
-    rbc2 = tl.load(c + 5)
-    eps = tl.load(c + 6)
-    grad_scale = tl.load(c + 7)
-    j = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = j < n
-    if GRAD_BF16:
-        g_bits = tl.load(tl.load(g_ptrs + t).to(tl.pointer_type(tl.uint16)) + j, mask=mask, other=0)
-        g = (g_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+def _adamw_tile(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, j, q, mask, kp, km, kv, c, scale,
+                MASKED: tl.constexpr, KEYED: tl.constexpr, GRAD_BF16: tl.constexpr, PURE: tl.constexpr,
+                MOMENT_BF16: tl.constexpr):
+    if MASKED:
+        g = tl.load(g_ptr + j, mask=mask, other=0)
+        p = tl.load(p_ptr + j, mask=mask, other=0)
+        m = tl.load(m_ptr + j, mask=mask, other=0)
+        v = tl.load(v_ptr + j, mask=mask, other=0)
     else:
-        g = tl.load(tl.load(g_ptrs + t).to(tl.pointer_type(tl.float32)) + j, mask=mask, other=0.0)
-    g = tl.where(grad_scale != 1.0, g * grad_scale, g)
-    m = tl.load(m_ptr + j, mask=mask, other=0.0)
-    v = tl.load(v_ptr + j, mask=mask, other=0.0)
-    s = tl.load(s_ptr + j, mask=mask, other=0.0)
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + (one_minus_beta2 * g) * g
-    s = s * decay
-    s = s + tl.div_rn(neg_step_size * m, tl.sqrt_rn(v) * rbc2 + eps)
-    tl.store(m_ptr + j, m, mask=mask)
-    tl.store(v_ptr + j, v, mask=mask)
-    tl.store(s_ptr + j, s, mask=mask)
-    y = _round_block(s.to(tl.uint32, bitcast=True), (offset + j).to(tl.uint64), key, KEYED)
-    tl.store(out_ptr + j, y.to(tl.uint16), mask=mask)
+        g = tl.load(g_ptr + j)
+        p = tl.load(p_ptr + j)
+        m = tl.load(m_ptr + j)
+        v = tl.load(v_ptr + j)
+    if GRAD_BF16:
+        g = _widen(g)
+    if PURE:
+        p = _widen(p)
+    if MOMENT_BF16:
+        m = _widen(m)
+        v = _widen(v)
+    g = g * scale
+    m = m + tl.load(c + 0) * (g - m)
+    v = v * tl.load(c + 1) + (tl.load(c + 2) * g) * g
+    p = p * tl.load(c + 3)
+    p = p + tl.div_rn(tl.load(c + 4) * m, tl.sqrt_rn(v) * tl.load(c + 5) + tl.load(c + 6))
+    w = _round(p.to(tl.uint32, bitcast=True), kp, q, KEYED)
+    if MOMENT_BF16:
+        m = _round(m.to(tl.uint32, bitcast=True), km, q, KEYED)
+        v = _round(v.to(tl.uint32, bitcast=True), kv, q, KEYED)
+    if PURE:
+        p = w
+    if MASKED:
+        tl.store(p_ptr + j, p, mask=mask)
+        tl.store(m_ptr + j, m, mask=mask)
+        tl.store(v_ptr + j, v, mask=mask)
+        if not PURE:
+            tl.store(out_ptr + j, w, mask=mask)
+    else:
+        tl.store(p_ptr + j, p)
+        tl.store(m_ptr + j, m)
+        tl.store(v_ptr + j, v)
+        if not PURE:
+            tl.store(out_ptr + j, w)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+@triton.jit
+def _ptr(addr, dtype, ALIGNED: tl.constexpr):
+    p = addr.to(tl.pointer_type(dtype))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
-def _check_device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    device = tensors[0].device
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run them on the CPU")
-    for t in tensors:
-        if t.device != device or not t.is_contiguous():
-            raise ValueError("Triton kernels need contiguous tensors on one device")
-    return device
-
-
-def _table(ns: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    tensor_ids, blocks = [], []
-    for t, n in enumerate(ns):
-        for start in range(0, n, BLOCK):
-            tensor_ids.append(t)
-            blocks.append(start)
-    ids = torch.tensor(tensor_ids, dtype=torch.int32, device=device)
-    return ids, torch.tensor(blocks, dtype=torch.int64, device=device), len(blocks)
-
-
-def _i64(values, device) -> torch.Tensor:
-    return torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64, device=device)
-
-
-def round_many(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], keys: Sequence[int | None],
-               offsets: Sequence[int], rows: Sequence[tuple[int, int] | None] | None = None) -> None:
-    """Round flat FP32 tensors into flat BF16 tensors, one launch per (keyed, strided) kind.
-
-    ``rows[i] = (row_len, row_stride)`` marks tensor ``i`` as a strided shard (see RoundingJob).
-    """
-    rows = list(rows) if rows is not None else [None] * len(xs)
-    for keyed in (True, False):
-        for strided in (False, True):
-            sel = [i for i, k in enumerate(keys)
-                   if (k is not None) == keyed and (rows[i] is not None) == strided and xs[i].numel()]
-            if not sel:
-                continue
-            device = _check_device([xs[i] for i in sel] + [outs[i] for i in sel])
-            ns = [xs[i].numel() for i in sel]
-            ids, blocks, grid = _table(ns, device)
-            shape = [rows[i] or (1, 1) for i in sel]
-            _sr_kernel[(grid,)](
-                ids, blocks, _i64([xs[i].data_ptr() for i in sel], device),
-                _i64([outs[i].data_ptr() for i in sel], device), _i64(ns, device),
-                _i64([keys[i] or 0 for i in sel], device), _i64([offsets[i] for i in sel], device),
-                _i64([r[0] for r in shape], device), _i64([r[1] for r in shape], device),
-                KEYED=keyed, STRIDED=strided, BLOCK=BLOCK,
-            )
-
-
-def adamw_sr_(shadow, exp_avg, exp_avg_sq, grad, out, key: int | None, offset: int, hyper) -> None:
-    """Fused AdamW + rounding for one tensor (see ``adamw_many_`` for lists)."""
-    adamw_many_([(shadow, exp_avg, exp_avg_sq, grad, out, key, offset, hyper)])
-
-
-def adamw_many_(items) -> None:
-    """``items``: (shadow, exp_avg, exp_avg_sq, grad, out, key, offset, AdamWHyper); one launch per
-    (keyed, grad dtype) combination."""
-    groups: dict[tuple[bool, bool], list] = {}
-    for item in items:
-        if item[0].numel():
-            groups.setdefault((item[5] is not None, item[3].dtype == torch.bfloat16), []).append(item)
-    for (keyed, grad_bf16), group in groups.items():
-        device = _check_device([t for it in group for t in it[:5]])
-        ns = [it[0].numel() for it in group]
-        ids, blocks, grid = _table(ns, device)
-        consts = torch.tensor([[h[k] for k in ("one_minus_beta1", "beta2", "one_minus_beta2", "decay", "neg_step_size",
-                                                "rbc2", "eps", "grad_scale")]
-                               for h in (it[7].scalars() for it in group)], dtype=torch.float32, device=device)
-        ptrs = [_i64([it[k].data_ptr() for it in group], device) for k in range(5)]
-        _adamw_kernel[(grid,)](
-            ids, blocks, *ptrs, _i64(ns, device), _i64([it[5] or 0 for it in group], device),
-            _i64([it[6] for it in group], device), consts, KEYED=keyed, GRAD_BF16=grad_bf16, BLOCK=BLOCK,
-            **({} if _interpreting() else {"enable_fp_fusion": False}),
-        )
+@triton.jit
+def adamw_many_kernel(meta, starts, keys, step_data, consts, scale_ptr, T, LOG2T: tl.constexpr,
+                      KEYED: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, PURE: tl.constexpr,
+                      MOMENT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """``meta[ADAMW_FIELDS, T]``, ``keys[3, T]`` (int64: param, exp_avg, exp_avg_sq),
+    ``step_data[ADAMW_STEP_FIELDS, T]``, ``consts[slots, 8]`` (FP32), ``scale_ptr``: the gradient
+    scale (one FP32 on the device, e.g. from gradient clipping)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = _find(starts, pid, T, LOG2T)
+    blk = pid - tl.load(starts + t)
+    p_dtype: tl.constexpr = tl.uint16 if PURE else tl.float32
+    m_dtype: tl.constexpr = tl.uint16 if MOMENT_BF16 else tl.float32
+    g_dtype: tl.constexpr = tl.uint16 if GRAD_BF16 else tl.float32
+    p_ptr = _ptr(tl.load(meta + t), p_dtype, ALIGNED)
+    m_ptr = _ptr(tl.load(meta + T + t), m_dtype, ALIGNED)
+    v_ptr = _ptr(tl.load(meta + 2 * T + t), m_dtype, ALIGNED)
+    out_ptr = _ptr(tl.load(meta + 3 * T + t), tl.uint16, ALIGNED)
+    n = tl.load(meta + 4 * T + t)
+    g0 = tl.load(meta + 5 * T + t)
+    if KEYED:
+        kp = tl.load(keys + t).to(tl.uint64, bitcast=True)
+        km = tl.load(keys + T + t).to(tl.uint64, bitcast=True)
+        kv = tl.load(keys + 2 * T + t).to(tl.uint64, bitcast=True)
+    else:
+        kp = 0
+        km = 0
+        kv = 0
+    g_ptr = _ptr(tl.load(step_data + t), g_dtype, ALIGNED)
+    c = consts + tl.load(step_data + T + t) * 8
+    scale = tl.load(scale_ptr)
+    j, q = _tile(blk, g0, BLOCK, ALIGNED)
+    if ALIGNED and blk * BLOCK + BLOCK <= n:
+        _adamw_tile(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, j, q, None, kp, km, kv, c, scale,
+                    False, KEYED, GRAD_BF16, PURE, MOMENT_BF16)
+    else:
+        mask = (j >= 0) & (j < n)
+        _adamw_tile(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, j, q, mask, kp, km, kv, c, scale,
+                    True, KEYED, GRAD_BF16, PURE, MOMENT_BF16)

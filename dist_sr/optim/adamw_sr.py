@@ -11,8 +11,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..numerics import RoundingJob, round_jobs
+from ..numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan
 from ..numerics.key import check_mode
+from .counter import StepCounter
 from .params import ParamsLike, named_param_groups
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -38,6 +39,7 @@ class AdamWSR(torch.optim.Optimizer):
         mode: str = "stochastic",
         moment_dtype: str = "fp32",
         backend: str = "auto",
+        capturable: bool = False,
     ):
         if moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got {moment_dtype!r}")
@@ -50,54 +52,117 @@ class AdamWSR(torch.optim.Optimizer):
                     raise TypeError(f"AdamWSR updates BF16 parameters in place; {name!r} is {p.dtype}")
         self.seed, self.mode, self.backend = seed, check_mode(mode), backend
         self.moment_dtype = MOMENT_DTYPES[moment_dtype]
-        self.step_count = 0
+        self._counter = StepCounter()
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._plan: AdamWPlan | None = None
+        self._plan_identity: list = []
+        self._sharded = any(_is_dtensor(p) for group in self.param_groups for p in group["params"])
+        if capturable:
+            devices = {p.device for group in self.param_groups for p in group["params"]}
+            if self._sharded or len(devices) != 1 or mode == "nearest":
+                raise ValueError("AdamWSR(capturable=True) needs plain (unsharded) parameters on one CUDA device and "
+                                 "a keyed mode")
+            self._counter = StepCounter(0, next(iter(devices)))
+
+    @property
+    def step_count(self) -> int:
+        """The key's step of the live weights (a device read when capturable)."""
+        return self._counter.value
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._counter.value = value
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One fused pass over every parameter with a gradient (one C++ call on CPU, one Triton
+        launch on CUDA): AdamW in FP32 from the BF16 weight, ``p <- round(p')`` in place, moments
+        kept in FP32 or rounded into BF16 with their own keys. No full-size temporaries."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self._ensure_plan()
+        if self._counter.capturable:
+            self._capturable_step(plan)
+            return loss
         self.step_count += 1
-        jobs: list[RoundingJob] = []
-        moment_jobs: list[RoundingJob] = []
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for name, p in zip(group["param_names"], group["params"]):
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
-                state["step"] += 1
-                t = state["step"]
-                # a sharded (DTensor) parameter updates its local shard, keyed by global indices
-                local, offset, rows = _local_shard(p)
-                if not local.numel():
-                    continue
-                shape, row_stride = ((-1, rows[0]), rows[1]) if rows else (local.shape, None)
-                local = local.view(shape)
-                g = _local_shard(p.grad)[0].view(shape).to(torch.float32)
-                exp_avg, exp_avg_sq = (_local_shard(state[k])[0].view(shape) for k in ("exp_avg", "exp_avg_sq"))
-                m = exp_avg.to(torch.float32).lerp_(g, 1 - beta1)  # in place for FP32 moments
-                v = exp_avg_sq.to(torch.float32).mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)  # torch.optim.AdamW's order
-                new = local.to(torch.float32).mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-                jobs.append(RoundingJob(name, new, local, offset, row_stride))
-                if self.moment_dtype != torch.float32:
-                    moment_jobs.append(RoundingJob(f"{name}#exp_avg", m, exp_avg, offset, row_stride))
-                    moment_jobs.append(RoundingJob(f"{name}#exp_avg_sq", v, exp_avg_sq, offset, row_stride))
-        round_jobs(jobs + moment_jobs, seed=self.seed, step=self.step_count, mode=self.mode, backend=self.backend)
+        grads: list[torch.Tensor | None] = []
+        hypers: list[AdamWHyper] = []
+        slot_of: dict[tuple[int, int], int] = {}
+        slots: list[int] = []
+        for gi, p in self._params:
+            if p.grad is None:
+                grads.append(None)
+                slots.append(0)
+                continue
+            state = self.state[p]
+            state["step"] += 1
+            key = (gi, state["step"])
+            if key not in slot_of:
+                group = self.param_groups[gi]
+                slot_of[key] = len(hypers)
+                hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], key[1]))
+            slots.append(slot_of[key])
+            g = _local_shard(p.grad)[0] if self._sharded else p.grad
+            grads.append(g.contiguous())
+        plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode)
         return loss
+
+    def _ensure_plan(self) -> AdamWPlan:
+        """The fused plan over every parameter's local piece and its moments, built on the first
+        step and again whenever a parameter or a moment tensor was replaced (a loaded state)."""
+        self._params = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]]
+        for _, p in self._params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
+        identity = [(id(p), id(self.state[p]["exp_avg"]), id(self.state[p]["exp_avg_sq"]),
+                     None if self._sharded else p.data_ptr()) for _, p in self._params]
+        if self._plan is None or identity != self._plan_identity:
+            if self._counter.capturable:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
+                                       "(the first step builds the fused plan and the moments)")
+                if self._plan is not None:  # a tensor was replaced: the host steps did not follow the device's
+                    for _, p in self._params:
+                        self.state[p]["step"] = self.step_count
+                steps = {self.state[p]["step"] for _, p in self._params}
+                if steps - {self.step_count}:
+                    raise ValueError(f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
+                                     f"{sorted(steps)} differ from the key's step {self.step_count}")
+            pieces = []
+            names = {id(p): n for group in self.param_groups for n, p in zip(group["param_names"], group["params"])}
+            for _, p in self._params:
+                local, offset, rows = _local_shard(p)
+                m, v = (_local_shard(self.state[p][k])[0] for k in ("exp_avg", "exp_avg_sq"))
+                pieces.append(AdamWPiece(names[id(p)], local.detach(), m, v, None, offset, rows))
+            self._plan = AdamWPlan(pieces, backend=self.backend)
+            self._plan_identity = identity
+        return self._plan
+
+    def _capturable_step(self, plan: AdamWPlan) -> None:
+        grads = [p.grad for _, p in self._params]
+        if any(g is None for g in grads):
+            raise ValueError("AdamWSR(capturable=True) steps every parameter; some have no gradient")
+        hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in self.param_groups]
+        plan.step_([g.contiguous() for g in grads], hypers, [gi for gi, _ in self._params], seed=self.seed, step=0,
+                   mode=self.mode, device_step=self._counter.device_step(self.seed, self.mode))
+        self._counter.advance()
 
     def dist_sr_meta(self) -> dict[str, Any]:
         """The rounding key's state, saved beside the moments."""
         return {"seed": self.seed, "mode": self.mode, "step": self.step_count}
 
     def state_dict(self) -> dict[str, Any]:
+        if self._counter.capturable:  # Adam's steps advanced on the device with the key's step
+            step = self.step_count
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if self.state[p]:
+                        self.state[p]["step"] = step
         sd = super().state_dict()
         sd["dist_sr"] = self.dist_sr_meta()
         # a copy in the first group survives torch.distributed.checkpoint's optimizer state dicts,
@@ -129,6 +194,11 @@ class AdamWSR(torch.optim.Optimizer):
             p = params[index]
             for key in ("exp_avg", "exp_avg_sq"):
                 self.state[p][key] = saved[key].to(device=p.device, dtype=self.moment_dtype, copy=True)
+        self._plan = None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
 
 
 def _local_shard(t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:

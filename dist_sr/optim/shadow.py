@@ -7,12 +7,15 @@ weights become ``round(shadow)`` under the rounding key (seed, step, parameter n
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
 
-from ..numerics import RoundingJob, round_jobs
+from ..numerics import RoundingBatch, RoundingJob
+from ..numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan
 from ..numerics.key import check_mode, normalize_param_name
+from .counter import StepCounter
 from .loss_scale import DynamicLossScaler
 from .params import ParamsLike, named_param_groups
 
@@ -31,6 +34,9 @@ class ShadowOptimizer(torch.optim.Optimizer):
         seed, mode: the rounding key's seed and mode (``nearest``, ``stochastic``, ``dither``).
             FP16 working weights support ``nearest`` only.
         loss_scaler: a ``DynamicLossScaler`` for FP16 working weights (skips inf/NaN steps).
+        capturable: keep the key's step on the device and derive each step's keys there, so
+            ``step()`` can be captured in a CUDA graph and replayed (CUDA, BF16 weights; give
+            the inner optimizer its own capturable option). Run one step before capturing.
 
     The key's step is ``self.step_count``: 0 for the initial rounding, ``k`` for the result of
     the k-th optimizer step. At all times ``working == round(shadow, step=self.step_count)``.
@@ -46,10 +52,11 @@ class ShadowOptimizer(torch.optim.Optimizer):
         working_dtype: torch.dtype | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         backend: str = "auto",
+        capturable: bool = False,
         **optimizer_kwargs: Any,
     ):
         self.seed, self.mode, self.backend = seed, check_mode(mode), backend
-        self.step_count = 0
+        self._counter = StepCounter()
         self.loss_scaler = loss_scaler
         groups = named_param_groups(params)
         self._pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, working, shadow)
@@ -70,7 +77,31 @@ class ShadowOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups  # one set of groups: LR schedulers reach inner
         self.state = self.inner.state
         self._grads_in_shadows = False
-        self._write_working()
+        self._batch: RoundingBatch | None = None
+        if capturable:
+            self._make_capturable()
+        self.write_working()
+
+    @property
+    def step_count(self) -> int:
+        """The key's step of the live working weights (a device read when capturable)."""
+        return self._counter.value
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._counter.value = value
+
+    def _make_capturable(self) -> None:
+        devices = {p.device for _, p, _ in self._pairs}
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: CPU tensors (tests)
+        if len(devices) != 1 or next(iter(devices)).type not in (("cuda", "cpu") if interpreted else ("cuda",)):
+            raise ValueError(f"capturable needs every parameter on one CUDA device, got {sorted(map(str, devices))}")
+        if any(p.dtype != torch.bfloat16 for _, p, _ in self._pairs) or self.loss_scaler is not None:
+            raise ValueError("capturable needs BF16 working weights and no loss scaler (an FP16 step that may be "
+                             "skipped cannot replay from a CUDA graph)")
+        if self.mode == "nearest":
+            raise ValueError("capturable is for keyed modes; round-to-nearest needs no keys (use capturable=False)")
+        self._counter = StepCounter(self._counter.value, next(iter(devices)))
 
     # -- construction --------------------------------------------------------------------------
 
@@ -113,13 +144,17 @@ class ShadowOptimizer(torch.optim.Optimizer):
         """Copy working grads into FP32 shadow grads (unscaled). True if the step must be skipped."""
         if self._grads_in_shadows:
             return self._found_inf
+        dst, src = [], []
         for _, p, s in self._pairs:
             if p.grad is None:
                 s.grad = None
-            elif s.grad is None:
+            elif s.grad is None or s.grad.shape != s.shape:
                 s.grad = p.grad.detach().to(torch.float32)
             else:
-                s.grad.copy_(p.grad)
+                dst.append(s.grad)
+                src.append(p.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)  # one call for all parameters
         found_inf = False
         if self.loss_scaler is not None:
             found_inf = self.loss_scaler.unscale_(s.grad for _, _, s in self._pairs if s.grad is not None)
@@ -153,8 +188,12 @@ class ShadowOptimizer(torch.optim.Optimizer):
         if found_inf:
             return loss
         self.inner.step()
-        self.step_count += 1
-        self._write_working()
+        if self._counter.capturable:
+            self._working_batch().run_on_device(self._counter.device_step(self.seed, self.mode))
+            self._counter.advance()
+        else:
+            self.step_count += 1
+            self.write_working()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -168,13 +207,21 @@ class ShadowOptimizer(torch.optim.Optimizer):
                     t.grad.zero_()
         self._grads_in_shadows = False
 
-    def _write_working(self) -> None:
-        bf16 = [RoundingJob(n, s, p.data) for n, p, s in self._pairs if p.dtype == torch.bfloat16]
-        if bf16:
-            round_jobs(bf16, seed=self.seed, step=self.step_count, mode=self.mode, backend=self.backend)
-        for _, p, s in self._pairs:
-            if p.dtype == torch.float16:
-                p.data.copy_(s)
+    def write_working(self) -> None:
+        """Set every working weight to ``round(shadow, step=self.step_count)`` (one kernel call for
+        all BF16 weights; FP16 weights round to nearest)."""
+        with torch.no_grad():
+            self._working_batch().run(seed=self.seed, step=self.step_count, mode=self.mode)
+            fp16 = [(p, s) for _, p, s in self._pairs if p.dtype == torch.float16]
+            if fp16:
+                torch._foreach_copy_([p for p, _ in fp16], [s for _, s in fp16])
+
+    def _working_batch(self) -> RoundingBatch:
+        if self._batch is None:
+            with torch.no_grad():
+                self._batch = RoundingBatch([RoundingJob(n, s, p) for n, p, s in self._pairs
+                                             if p.dtype == torch.bfloat16], backend=self.backend)
+        return self._batch
 
     # -- access ------------------------------------------------------------------------------
 
@@ -227,62 +274,134 @@ class ShadowOptimizer(torch.optim.Optimizer):
         self.step_count = int(state_dict["step"])
         if self.loss_scaler is not None and state_dict.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        with torch.no_grad():
-            self._write_working()
+        self._state_loaded()
+        self.write_working()
+
+    def _state_loaded(self) -> None:
+        """Hook for subclasses that cache views of the optimizer state."""
 
 
 class ShadowAdamW(ShadowOptimizer):
-    """FP32-shadow AdamW whose step is one fused pass per parameter (C++ on CPU, Triton on CUDA).
+    """FP32-shadow AdamW whose step is one fused pass over all parameters (one C++ call on CPU,
+    one Triton launch on CUDA).
 
     It reads the BF16 working gradients directly (no FP32 gradient copy), updates the FP32 shadow
     and moments, and writes the keyed rounding into the BF16 working weights. State layout and
     checkpoints are those of ``ShadowOptimizer(torch.optim.AdamW)``: a run may switch between them.
-    Gradient clipping scales inside the fused pass (``clip_grad_norm_`` only measures).
+    ``clip_grad_norm_`` computes the scale on the device and the fused pass applies it, so a
+    step never waits for the GPU.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, seed: int = 0, mode: str = "stochastic", working_dtype=None, backend: str = "auto"):
+                 *, seed: int = 0, mode: str = "stochastic", working_dtype=None, backend: str = "auto",
+                 capturable: bool = False):
         super().__init__(params, torch.optim.AdamW, seed=seed, mode=mode, working_dtype=working_dtype,
-                         backend=backend, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+                         backend=backend, capturable=capturable, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, foreach=False)
         for name, p, _ in self._pairs:
             if p.dtype != torch.bfloat16:
                 raise TypeError(f"ShadowAdamW needs BF16 working weights; {name!r} is {p.dtype} (use ShadowOptimizer)")
-        self._grad_scale = 1.0
+        self._grad_scale: torch.Tensor | None = None
+        self._plan: AdamWPlan | None = None
+        self._plan_addresses: list[int] = []
+        self._adam_steps: list[int] = []  # Adam's step per parameter, mirrored from state["step"]
+        group_of = {id(s): gi for gi, group in enumerate(self.inner.param_groups) for s in group["params"]}
+        self._group_index = [group_of[id(s)] for _, _, s in self._pairs]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the working gradients (FP32, on their device); the next ``step``
+        scales them by ``min(1, max_norm / (norm + 1e-6))`` inside the fused pass."""
         grads = [p.grad for _, p, _ in self._pairs if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads]), norm_type)
-        self._grad_scale = min(1.0, float(max_norm) / (float(norm) + 1e-6))  # applied in the fused pass
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        self._grad_scale = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0).reshape(1)
         return norm
+
+    def _state_loaded(self) -> None:
+        self._plan = None
+
+    def _ensure_plan(self) -> AdamWPlan:
+        """The fused plan over (shadow, moments, working weight) of every parameter, rebuilt when
+        any of those tensors was replaced (a loaded state dict, a moved model)."""
+        state = self.inner.state
+        capturable = self._counter.capturable
+        for _, _, s in self._pairs:
+            if not state.get(s):  # torch.optim.AdamW's layout, so checkpoints interchange
+                step = torch.zeros((), dtype=torch.float32, device=s.device if capturable else "cpu")
+                state[s] = {"step": step, "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format)}
+                self._plan = None
+        if self._plan is not None:
+            addresses = [t.data_ptr() for _, p, s in self._pairs
+                         for t in (p, s, state[s]["exp_avg"], state[s]["exp_avg_sq"])]
+            if addresses != self._plan_addresses:
+                self._plan = None
+        if self._plan is None:
+            if capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("ShadowAdamW(capturable=True): run one step before capturing it in a CUDA graph "
+                                   "(the first step builds the fused plan and the optimizer state)")
+            self._plan = AdamWPlan([AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data)
+                                    for n, p, s in self._pairs], backend=self.backend)
+            self._plan_addresses = [t.data_ptr() for _, p, s in self._pairs
+                                    for t in (p, s, state[s]["exp_avg"], state[s]["exp_avg_sq"])]
+            self._adam_steps = [int(state[s]["step"]) for _, _, s in self._pairs]  # once per rebuild, not per step
+            if capturable:
+                if set(self._adam_steps) - {self.step_count}:
+                    raise ValueError("ShadowAdamW(capturable=True) steps every parameter together: the loaded Adam "
+                                     f"steps {sorted(set(self._adam_steps))} differ from the key's step {self.step_count}")
+                for _, _, s in self._pairs:  # capturable: Adam's step lives beside the state, on the device
+                    state[s]["step"] = state[s]["step"].to(s.device)
+                self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
+        return self._plan
 
     @torch.no_grad()
     def step(self, closure=None):
-        from ..numerics.fused import AdamWHyper, adamw_step_
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self._ensure_plan()
+        if self._counter.capturable:
+            self._capturable_step(plan)
+            return loss
         self.step_count += 1
-        by_shadow = {id(s): (n, p) for n, p, s in self._pairs}
-        for group in self.inner.param_groups:
-            beta1, beta2 = group["betas"]
-            for s in group["params"]:
-                name, p = by_shadow[id(s)]
-                if p.grad is None:
-                    continue
-                state = self.inner.state[s]
-                if not state:  # torch.optim.AdamW's layout, so checkpoints interchange
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(s, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(s, memory_format=torch.preserve_format)
-                state["step"] += 1
-                hyper = AdamWHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                                   int(state["step"].item()), self._grad_scale)
-                adamw_step_(s, state["exp_avg"], state["exp_avg_sq"], p.grad, p.data, hyper=hyper, seed=self.seed,
-                            step=self.step_count, param=name, mode=self.mode, backend=self.backend)
-        self._grad_scale = 1.0
+        grads = [p.grad for _, p, _ in self._pairs]
+        hypers: list[AdamWHyper] = []
+        slot_of: dict[tuple[int, int], int] = {}
+        slots, stepped = [], []
+        groups = self.inner.param_groups
+        for i, g in enumerate(grads):
+            if g is None:
+                slots.append(0)
+                continue
+            self._adam_steps[i] += 1
+            key = (self._group_index[i], self._adam_steps[i])
+            if key not in slot_of:
+                group = groups[key[0]]
+                slot_of[key] = len(hypers)
+                hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], key[1]))
+            slots.append(slot_of[key])
+            stepped.append(self.inner.state[self._pairs[i][2]]["step"])
+        plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode,
+                   grad_scale=self._grad_scale)
+        if stepped:
+            torch._foreach_add_(stepped, 1.0)
+        self._grad_scale = None
         return loss
+
+    def _capturable_step(self, plan: AdamWPlan) -> None:
+        """Every parameter steps; the keys and Adam's constants of step ``counter + 1`` come
+        from the device counter, which the step then advances (all device work: replayable)."""
+        grads = [p.grad for _, p, _ in self._pairs]
+        missing = [n for (n, _, _), g in zip(self._pairs, grads) if g is None]
+        if missing:
+            raise ValueError(f"ShadowAdamW(capturable=True) steps every parameter; no gradient for {missing[:3]}")
+        groups = self.inner.param_groups
+        hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in groups]
+        plan.step_(grads, hypers, self._group_index, seed=self.seed, step=0, mode=self.mode,
+                   grad_scale=self._grad_scale, device_step=self._counter.device_step(self.seed, self.mode))
+        self._counter.advance()
+        torch._foreach_add_(self._device_steps, 1.0)
+        self._grad_scale = None

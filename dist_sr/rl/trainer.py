@@ -86,7 +86,7 @@ def jitter_shadows_(optimizer: ShadowOptimizer, seed: int) -> None:
             spacing = (up - p.data.float().abs()).nan_to_num(0.0)
             u = torch.rand(s.shape, generator=g) - 0.5
             s.add_(u * 0.999 * spacing * torch.sign(s))
-        optimizer._write_working()
+        optimizer.write_working()
 
 
 def _all_sum(values: list[float], world: int) -> list[float]:

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -279,6 +280,157 @@ void adamw_sr(at::Tensor shadow, at::Tensor exp_avg, at::Tensor exp_avg_sq, cons
   }
 }
 
+// ---- pure-BF16 AdamW + keyed SR (arXiv 2502.20566) ----------------------------------------------
+// The same arithmetic with no FP32 master: s = float(p) and p <- SR(s) in place with the param's
+// key. Moments are FP32, or BF16 read as FP32 and written back as SR(m), SR(v) with their own keys
+// (kp, km, kv: the keys of "name", "name#exp_avg", "name#exp_avg_sq").
+inline float load_f(const float* x, int64_t j) { return x[j]; }
+inline float load_f(const uint16_t* x, int64_t j) { return bf16_to_float(x[j]); }
+inline uint32_t f_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+template <typename G, typename M>
+inline void adamw_pure_one(uint16_t* __restrict__ p, M* __restrict__ m, M* __restrict__ v, const G* __restrict__ g,
+                           int64_t j, const AdamWArgs& a, uint32_t& pb, uint32_t& mb, uint32_t& vb) {
+  const float gj = load_grad(g, j) * a.grad_scale;
+  float mj = load_f(m, j);
+  mj = mj + a.one_minus_beta1 * (gj - mj);
+  float vj = load_f(v, j);
+  vj = vj * a.beta2 + (a.one_minus_beta2 * gj) * gj;
+  float sj = bf16_to_float(p[j]) * a.decay;
+  sj = sj + (a.neg_step_size * mj) / (std::sqrt(vj) * a.rbc2 + a.eps);
+  pb = f_bits(sj);
+  mb = f_bits(mj);
+  vb = f_bits(vj);
+}
+
+template <typename M>
+inline void store_moment(M* x, int64_t j, uint32_t bits, uint32_t r);
+template <>
+inline void store_moment<float>(float* x, int64_t j, uint32_t bits, uint32_t) { std::memcpy(x + j, &bits, 4); }
+template <>
+inline void store_moment<uint16_t>(uint16_t* x, int64_t j, uint32_t bits, uint32_t r) { x[j] = round_one(bits, r); }
+
+template <typename G, typename M>
+void adamw_pure_span(uint16_t* __restrict__ p, M* __restrict__ m, M* __restrict__ v, const G* __restrict__ g,
+                     int64_t n, bool keyed, uint64_t kp, uint64_t km, uint64_t kv, int64_t offset, const AdamWArgs& a) {
+  constexpr bool kMomBf16 = std::is_same<M, uint16_t>::value;
+  auto scalar = [&](int64_t j) {
+    uint32_t pb, mb, vb;
+    adamw_pure_one(p, m, v, g, j, a, pb, mb, vb);
+    const uint64_t i = static_cast<uint64_t>(offset + j);
+    p[j] = round_one(pb, keyed ? bits_for(kp, i) : nearest_bits(pb));
+    store_moment(m, j, mb, keyed ? bits_for(km, i) : nearest_bits(mb));
+    store_moment(v, j, vb, keyed ? bits_for(kv, i) : nearest_bits(vb));
+  };
+  const int64_t head = std::min<int64_t>(n, (kChunk - offset % kChunk) % kChunk);
+  for (int64_t j = 0; j < head; ++j) scalar(j);
+  const int64_t chunks = (n - head) / kChunk;
+  const int64_t first_block = (offset + head) / 4;
+  auto fill = [&](uint16_t* r, uint64_t key, uint64_t q, const uint32_t* b) {
+    if (keyed) {
+      uint64_t h[8];
+      for (int t = 0; t < 8; ++t) h[t] = mix(key + (q + t + 1) * kGamma);
+      std::memcpy(r, h, 64);
+    } else {
+      for (int k = 0; k < kChunk; ++k) r[k] = static_cast<uint16_t>(nearest_bits(b[k]));
+    }
+  };
+  at::parallel_for(0, chunks, kGrain / 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t base = head + c * kChunk;
+      uint32_t pb[kChunk], mb[kChunk], vb[kChunk];
+      for (int k = 0; k < kChunk; ++k) adamw_pure_one(p + base, m + base, v + base, g + base, k, a, pb[k], mb[k], vb[k]);
+      const uint64_t q = static_cast<uint64_t>(first_block + c * 8);
+      uint16_t r[kChunk];
+      fill(r, kp, q, pb);
+      for (int k = 0; k < kChunk; ++k) p[base + k] = round_one(pb[k], r[k]);
+      if (kMomBf16) {
+        fill(r, km, q, mb);
+        for (int k = 0; k < kChunk; ++k) store_moment(m + base, k, mb[k], r[k]);
+        fill(r, kv, q, vb);
+        for (int k = 0; k < kChunk; ++k) store_moment(v + base, k, vb[k], r[k]);
+      } else {
+        for (int k = 0; k < kChunk; ++k) store_moment(m + base, k, mb[k], 0);
+        for (int k = 0; k < kChunk; ++k) store_moment(v + base, k, vb[k], 0);
+      }
+    }
+  });
+  for (int64_t j = head + chunks * kChunk; j < n; ++j) scalar(j);
+}
+
+template <typename G>
+void adamw_pure_dispatch_m(at::Tensor& p, at::Tensor& m, at::Tensor& v, const G* g, bool keyed, uint64_t kp,
+                           uint64_t km, uint64_t kv, int64_t offset, const AdamWArgs& a) {
+  auto* pp = reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>());
+  if (m.scalar_type() == at::kFloat) {
+    adamw_pure_span(pp, m.data_ptr<float>(), v.data_ptr<float>(), g, p.numel(), keyed, kp, km, kv, offset, a);
+  } else {
+    adamw_pure_span(pp, reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()), g, p.numel(), keyed, kp, km, kv, offset, a);
+  }
+}
+
+AdamWArgs args_from(const std::vector<double>& c, size_t t, double grad_scale) {
+  const double* x = c.data() + 8 * t;  // one row of dist_sr.numerics.fused.AdamWHyper.scalars() per tensor
+  return AdamWArgs{static_cast<float>(x[0]), static_cast<float>(x[1]), static_cast<float>(x[2]),
+                   static_cast<float>(x[3]), static_cast<float>(x[4]), static_cast<float>(x[5]),
+                   static_cast<float>(x[6]), static_cast<float>(grad_scale)};
+}
+
+// Many tensors in one call. Shadow flavour (outs non-empty): p, m, v FP32, outs BF16. Pure flavour
+// (outs empty): p BF16 updated in place, m and v both FP32 or both BF16. grads BF16 or FP32.
+// consts: 8 doubles per tensor; keys: 3 per tensor (param, exp_avg, exp_avg_sq).
+void adamw_many(std::vector<at::Tensor> ps, std::vector<at::Tensor> ms, std::vector<at::Tensor> vs,
+                const std::vector<at::Tensor>& gs, std::vector<at::Tensor> outs, bool keyed,
+                const std::vector<int64_t>& keys, const std::vector<int64_t>& offsets, const std::vector<double>& consts,
+                double grad_scale) {
+  const size_t count = ps.size();
+  const bool pure = outs.empty();
+  TORCH_CHECK(ms.size() == count && vs.size() == count && gs.size() == count && (pure || outs.size() == count) &&
+                  keys.size() == 3 * count && offsets.size() == count && consts.size() == 8 * count,
+              "dist_sr fused AdamW: list lengths differ");
+  for (size_t t = 0; t < count; ++t) {
+    const int64_t n = ps[t].numel();
+    const auto md = ms[t].scalar_type();
+    for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&ps[t], &ms[t], &vs[t], &gs[t]}) {
+      TORCH_CHECK(x->device().is_cpu() && x->is_contiguous() && x->numel() == n,
+                  "dist_sr fused AdamW: tensors must be contiguous CPU tensors of one numel");
+    }
+    TORCH_CHECK(vs[t].scalar_type() == md && (md == at::kFloat || (pure && md == at::kBFloat16)),
+                "dist_sr fused AdamW: moments must both be float32 (or both bfloat16 for a BF16 parameter)");
+    TORCH_CHECK(gs[t].scalar_type() == at::kFloat || gs[t].scalar_type() == at::kBFloat16,
+                "dist_sr fused AdamW: grad must be float32 or bfloat16");
+    TORCH_CHECK(ps[t].scalar_type() == (pure ? at::kBFloat16 : at::kFloat),
+                "dist_sr fused AdamW: param must be float32 (with an out) or bfloat16 (updated in place)");
+    const AdamWArgs a = args_from(consts, t, grad_scale);
+    const uint64_t kp = static_cast<uint64_t>(keys[3 * t]), km = static_cast<uint64_t>(keys[3 * t + 1]),
+                   kv = static_cast<uint64_t>(keys[3 * t + 2]);
+    const bool g32 = gs[t].scalar_type() == at::kFloat;
+    const auto* g16 = reinterpret_cast<const uint16_t*>(gs[t].data_ptr());
+    if (pure) {
+      if (g32) {
+        adamw_pure_dispatch_m(ps[t], ms[t], vs[t], gs[t].data_ptr<float>(), keyed, kp, km, kv, offsets[t], a);
+      } else {
+        adamw_pure_dispatch_m(ps[t], ms[t], vs[t], g16, keyed, kp, km, kv, offsets[t], a);
+      }
+      continue;
+    }
+    TORCH_CHECK(outs[t].scalar_type() == at::kBFloat16 && outs[t].is_contiguous() && outs[t].numel() == n,
+                "dist_sr fused AdamW: out must be a contiguous bfloat16 tensor of the shadow's numel");
+    auto* o = reinterpret_cast<uint16_t*>(outs[t].data_ptr<at::BFloat16>());
+    float *s = ps[t].data_ptr<float>(), *m = ms[t].data_ptr<float>(), *v = vs[t].data_ptr<float>();
+    if (g32) {
+      adamw_span(s, m, v, gs[t].data_ptr<float>(), o, n, keyed, kp, offsets[t], a);
+    } else {
+      adamw_span(s, m, v, g16, o, n, keyed, kp, offsets[t], a);
+    }
+  }
+}
+
 // ---- layout-free digest contribution (dist_sr.rollout.plan.piece_sum) --------------------------
 // sum mod 2^64 over j of mix2(((start + j) * GAMMA + v_j * MIX2)), where v_j is element j's bits
 // read as a signed integer of the element's width (unsigned for 1-byte elements) and widened to
@@ -324,4 +476,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_rows", &round_rows, "keyed rounding of a strided shard given as rows of the full parameter");
   m.def("piece_sum", &piece_sum, "layout-free digest contribution of flat values starting at a global index");
   m.def("adamw_sr", &adamw_sr, "fused AdamW step on FP32 shadow/moments + keyed rounding into BF16 out");
+  m.def("adamw_many", &adamw_many, "fused AdamW + keyed rounding over lists (FP32 shadows or pure BF16 params)");
 }
