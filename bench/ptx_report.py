@@ -34,13 +34,13 @@ from dist_sr.numerics.key import STEP_BYTE  # noqa: E402
 from dist_sr.numerics.triton_launch import FP_OPTIONS  # noqa: E402
 
 DIV16 = [["tt.divisibility", 16]]
-SR_MANY = {"meta": "*i64", "starts": "*i64", "keys": "*i64", "T": "i32"}
-ADAMW_MANY = {"meta": "*i64", "starts": "*i64", "keys": "*i64", "step_data": "*i64", "consts": "*fp32",
+SR_MANY = {"meta": "*i64", "bmap": "*i64", "keys": "*i64", "T": "i32"}
+ADAMW_MANY = {"meta": "*i64", "bmap": "*i64", "keys": "*i64", "step_data": "*i64", "consts": "*fp32",
               "scale_ptr": "*fp32", "T": "i32"}
 SR_ONE = {"x_ptr": "*i32", "out_ptr": "*i16", "n": "i64", "g0": "i64", "key": "i64"}
 SR_ROWS = {**SR_ONE, "row_len": "i64", "row_stride": "i64"}
 STEP_DATA = {"tmpl": "*i64", "lens": "*i64", "step_ptr": "*i64", "keys": "*i64", "T": "i32", "hyper": "*fp64",
-             "consts": "*fp32", "S": "i32"}
+             "consts": "*fp32", "S": "i32", "NB": "i32"}
 
 
 def compile_variant(fn, signature: dict, constexprs: dict, arch: int = 90, aligned_args=(), fp_fusion: bool = False):
@@ -80,24 +80,25 @@ def arithmetic(ptx: str) -> list[str]:
 def variants(block_sr: int = 4096, block_adamw: int = 2048):
     """(name, kernel, signature, constexprs, args known 16-byte aligned, FMA contraction allowed)."""
     fusion = not FP_OPTIONS["enable_fp_fusion"]  # what the code launches with is False: no contraction
-    yield ("step_data (device keys, 2 blocks)", triton_keys.step_data_kernel, STEP_DATA,
-           dict(STEP_BYTE=STEP_BYTE, KEYED_STEP=True, NB=2, BT=64, BS=2), (), not fusion)
+    yield ("step_data (device keys)", triton_keys.step_data_kernel, STEP_DATA,
+           dict(STEP_BYTE=STEP_BYTE, KEYED_STEP=True, BT=64, BS=2), (), not fusion)
     for keyed in (True, False):
         for aligned in (True, False):
             yield (f"sr_many keyed={keyed} aligned={aligned}", tk.sr_many_kernel, SR_MANY,
-                   dict(LOG2T=9, KEYED=keyed, ALIGNED=aligned, BLOCK=block_sr), (), False)
+                   dict(KEYED=keyed, ALIGNED=aligned, BLOCK=block_sr), (), False)
     yield ("sr_one keyed aligned args", tk.sr_one_kernel, SR_ONE, dict(KEYED=True, ALIGNED=True, BLOCK=block_sr),
            ("x_ptr", "out_ptr"), False)
+    yield ("block_map", tk.block_map_kernel, {"starts": "*i64", "bmap": "*i64"}, dict(CHUNK=1024), (), False)
     yield ("sr_rows keyed", tk.sr_rows_kernel, SR_ROWS, dict(KEYED=True, BLOCK=block_sr), (), False)
     for pure, moment_bf16 in ((False, False), (True, False), (True, True)):
         for grad_bf16 in (True, False):
             for aligned in (True, False):
                 yield (f"adamw_many pure={pure} moments_bf16={moment_bf16} grad_bf16={grad_bf16} aligned={aligned}",
                        tk.adamw_many_kernel, ADAMW_MANY,
-                       dict(LOG2T=9, KEYED=True, ALIGNED=aligned, GRAD_BF16=grad_bf16, PURE=pure,
+                       dict(KEYED=True, ALIGNED=aligned, GRAD_BF16=grad_bf16, PURE=pure,
                             MOMENT_BF16=moment_bf16, BLOCK=block_adamw), (), not fusion)
     yield ("adamw_many shadow, contraction allowed (control)", tk.adamw_many_kernel, ADAMW_MANY,
-           dict(LOG2T=9, KEYED=True, ALIGNED=True, GRAD_BF16=True, PURE=False, MOMENT_BF16=False, BLOCK=block_adamw),
+           dict(KEYED=True, ALIGNED=True, GRAD_BF16=True, PURE=False, MOMENT_BF16=False, BLOCK=block_adamw),
            (), True)
 
 

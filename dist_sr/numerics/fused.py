@@ -191,6 +191,12 @@ class AdamWPlan:
             b = choose_backend(backend, pc.param, pc.p.device)
             self._backend.append("reference" if pc.rows is not None else b)  # strided shards: the plain path
         self._launches: dict = {}  # the Triton launches of the piece subsets stepped so far
+        self._numels = [pc.p.numel() for pc in self.pieces]
+        self._devices = [pc.p.device for pc in self.pieces]
+        self._kind = [(pc.pure, pc.exp_avg.dtype == torch.bfloat16) for pc in self.pieces]
+        self._static_groups: dict[tuple[bool, bool], list[int]] = {}
+        for i, kind in enumerate(self._kind):
+            self._static_groups.setdefault(kind, []).append(i)
 
     def keys(self, seed: int, step: int, mode: str) -> np.ndarray | None:
         """int64 ``[3, T]``: every piece's key, then its moments' keys (only where they are BF16)."""
@@ -224,11 +230,12 @@ class AdamWPlan:
         if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
             raise TypeError("fused AdamW: grad_scale must be a one-element float32 tensor")
         live = [i for i, g in enumerate(grads) if g is not None]
+        numels, devices = self._numels, self._devices
         for i in live:
-            g, p = grads[i], self.pieces[i].p
-            if g.dtype not in (torch.float32, torch.bfloat16) or g.numel() != p.numel() or g.device != p.device:
+            g = grads[i]
+            if g.dtype not in _GRAD_DTYPES or g.numel() != numels[i] or g.device != devices[i]:
                 raise TypeError(f"fused AdamW: grad of {self.names[i]!r} must be float32 or bfloat16 with the "
-                                f"parameter's numel on {p.device}, got {g.dtype} x {g.numel()} on {g.device}")
+                                f"parameter's numel on {devices[i]}, got {g.dtype} x {g.numel()} on {g.device}")
         by_backend: dict[str, list[int]] = {}
         for i in live:
             by_backend.setdefault(self._backend[i], []).append(i)
@@ -273,8 +280,16 @@ def _constants(h: AdamWHyper) -> tuple[float, ...]:
     return tuple(c[k] for k in CONSTANTS) + (0.0,)
 
 
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _groups(plan: AdamWPlan, idx, hypers, slots, grad_scale) -> dict[tuple, list[int]]:
     """Pieces by (pure, BF16 moments, gradient scale): one kernel call per group (normally one)."""
+    if len(idx) == len(plan.pieces):  # every piece steps: the groups fixed at construction, when one scale applies
+        scales = {None} if grad_scale is not None else {h.grad_scale for h in hypers}
+        if len(scales) == 1:
+            scale = scales.pop()
+            return {(*kind, scale): sel for kind, sel in plan._static_groups.items()}
     groups: dict[tuple, list[int]] = {}
     for i in idx:
         pc = plan.pieces[i]
@@ -322,10 +337,10 @@ def _step_triton(plan, idx, grads, hypers, slots, keys, grad_scale, device_step=
         if device_step is not None:
             hyper = np.asarray([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in (hypers[s] for s in used)],
                                dtype=np.float64)
-            launch([grads[i].reshape(-1) for i in sel], None, [row[slots[i]] for i in sel], None, scale_t,
+            launch([grads[i] for i in sel], None, [row[slots[i]] for i in sel], None, scale_t,
                    device_step=device_step, hyper=hyper)
             continue
-        launch([grads[i].reshape(-1) for i in sel], None if keys is None else keys[:, sel], [row[slots[i]] for i in sel],
+        launch([grads[i] for i in sel], None if keys is None else keys[:, sel], [row[slots[i]] for i in sel],
                np.asarray([_constants(hypers[s]) for s in used], dtype=np.float32), scale_t)
 
 

@@ -15,9 +15,11 @@ exactly as the contract says (``h_q >> 16 * (i & 3)``), whatever the offset.
 full blocks then load and store 16 bytes per thread and instruction. Other launches are correct
 for any address and offset, with narrower accesses.
 
-Multi-tensor launches read per-tensor fields from an int64 table ``meta[F, T]`` (field-major)
-and find their tensor by binary search in ``starts[T + 1]`` (the cumulative block counts), so
-the host builds O(T) data however many elements the tensors hold.
+Multi-tensor launches read per-tensor fields from an int64 table ``meta[F, T]`` (field-major).
+Program ``pid`` finds its tensor and block in one load from ``bmap[pid] = t << 32 | block``,
+which ``block_map_kernel`` expands on the device from the cumulative block counts: the host
+builds and uploads O(T) data however many elements the tensors hold, and a program starts
+loading data after one dependent load instead of a search.
 """
 
 from __future__ import annotations
@@ -66,16 +68,20 @@ def _widen(bits16):
 
 
 @triton.jit
-def _find(starts, pid, T, LOG2T: tl.constexpr):
-    """The tensor ``t`` with ``starts[t] <= pid < starts[t + 1]`` (``starts`` non-decreasing)."""
-    lo = pid * 0
-    hi = lo + T
-    for _ in tl.static_range(LOG2T):
-        mid = (lo + hi) // 2
-        right = tl.load(starts + mid) <= pid
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
+def block_map_kernel(starts, bmap, CHUNK: tl.constexpr):
+    """Program ``t`` writes ``t << 32 | b`` for each of its blocks ``b`` at ``bmap[starts[t] + b]``."""
+    t = tl.program_id(0).to(tl.int64)
+    lo = tl.load(starts + t)
+    hi = tl.load(starts + t + 1)
+    for i in range(lo, hi, CHUNK):
+        j = i + tl.arange(0, CHUNK)
+        tl.store(bmap + j, (t << 32) | (j - lo), mask=j < hi)
+
+
+@triton.jit
+def _locate(bmap):
+    entry = tl.load(bmap + tl.program_id(0))
+    return entry >> 32, entry & 0xFFFFFFFF
 
 
 @triton.jit
@@ -116,13 +122,10 @@ def sr_one_kernel(x_ptr, out_ptr, n, g0, key, KEYED: tl.constexpr, ALIGNED: tl.c
 SR_FIELDS = ("x", "out", "n", "g0")
 
 
-@triton.jit
-def sr_many_kernel(meta, starts, keys, T, LOG2T: tl.constexpr, KEYED: tl.constexpr, ALIGNED: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """Many tensors: ``meta[SR_FIELDS, T]``, block counts ``starts[T + 1]``, ``keys[T]``."""
-    pid = tl.program_id(0).to(tl.int64)
-    t = _find(starts, pid, T, LOG2T)
-    blk = pid - tl.load(starts + t)
+@triton.jit(do_not_specialize=["T"])
+def sr_many_kernel(meta, bmap, keys, T, KEYED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Many tensors: ``meta[SR_FIELDS, T]``, the block map ``bmap`` (one entry per program), ``keys[T]``."""
+    t, blk = _locate(bmap)
     x_ptr = tl.load(meta + t).to(tl.pointer_type(tl.uint32))
     out_ptr = tl.load(meta + T + t).to(tl.pointer_type(tl.uint16))
     if ALIGNED:
@@ -222,16 +225,14 @@ def _ptr(addr, dtype, ALIGNED: tl.constexpr):
     return p
 
 
-@triton.jit
-def adamw_many_kernel(meta, starts, keys, step_data, consts, scale_ptr, T, LOG2T: tl.constexpr,
-                      KEYED: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, PURE: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def adamw_many_kernel(meta, bmap, keys, step_data, consts, scale_ptr, T, KEYED: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, PURE: tl.constexpr,
                       MOMENT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """``meta[ADAMW_FIELDS, T]``, ``keys[3, T]`` (int64: param, exp_avg, exp_avg_sq),
+    """``meta[ADAMW_FIELDS, T]``, ``bmap`` (one entry per program), ``keys[3, T]`` (int64: param,
+    exp_avg, exp_avg_sq),
     ``step_data[ADAMW_STEP_FIELDS, T]``, ``consts[slots, 8]`` (FP32), ``scale_ptr``: the gradient
     scale (one FP32 on the device, e.g. from gradient clipping)."""
-    pid = tl.program_id(0).to(tl.int64)
-    t = _find(starts, pid, T, LOG2T)
-    blk = pid - tl.load(starts + t)
+    t, blk = _locate(bmap)
     p_dtype: tl.constexpr = tl.uint16 if PURE else tl.float32
     m_dtype: tl.constexpr = tl.uint16 if MOMENT_BF16 else tl.float32
     g_dtype: tl.constexpr = tl.uint16 if GRAD_BF16 else tl.float32

@@ -116,12 +116,13 @@ def _powi(x, n):
     return r
 
 
-@triton.jit
-def step_data_kernel(tmpl, lens, step_ptr, keys, T, hyper, consts, S, STEP_BYTE: tl.constexpr,
-                     KEYED_STEP: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "S", "NB"])
+def step_data_kernel(tmpl, lens, step_ptr, keys, T, hyper, consts, S, NB, STEP_BYTE: tl.constexpr,
+                     KEYED_STEP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
     """For the step after ``*step_ptr``: ``keys[t]`` (int64) of every lane's message ``tmpl``
-    (``lens[t]`` bytes), and (program 0) AdamW's FP32 constants ``consts[S, 8]`` from the
-    double hyper-parameters ``hyper[S, 5]`` = (lr, beta1, beta2, eps, weight_decay)."""
+    (``lens[t]`` bytes, at most ``NB`` blocks), and (program 0) AdamW's FP32 constants
+    ``consts[S, 8]`` from the double hyper-parameters ``hyper[S, 5]`` = (lr, beta1, beta2, eps,
+    weight_decay). The block loop is a runtime loop: one compression is compiled, not NB."""
     step = tl.load(step_ptr) + 1
     lanes = tl.program_id(0) * BT + tl.arange(0, BT)
     mask = lanes < T
@@ -136,7 +137,9 @@ def step_data_kernel(tmpl, lens, step_ptr, keys, T, hyper, consts, S, STEP_BYTE:
     h6 = tl.full([BT], 0x1F83D9ABFB41BD6B, tl.uint64)
     h7 = tl.full([BT], 0x5BE0CD19137E2179, tl.uint64)
     s = step.to(tl.uint64, bitcast=True)
-    for b in tl.static_range(NB):
+    if not KEYED_STEP:
+        s = s * 0
+    for b in range(NB):
         base = b * 16
         m0 = _word(tmpl, base + 0, lanes, mask, T)
         m1 = _word(tmpl, base + 1, lanes, mask, T)
@@ -154,9 +157,10 @@ def step_data_kernel(tmpl, lens, step_ptr, keys, T, hyper, consts, S, STEP_BYTE:
         m13 = _word(tmpl, base + 13, lanes, mask, T)
         m14 = _word(tmpl, base + 14, lanes, mask, T)
         m15 = _word(tmpl, base + 15, lanes, mask, T)
-        if KEYED_STEP and b == 0:  # the step's 8 bytes start at STEP_BYTE (22: words 2 and 3)
-            m2 = m2 | (s << (8 * (STEP_BYTE - 16)))
-            m3 = m3 | (s >> (8 * (24 - STEP_BYTE)))
+        # the step's 8 bytes start at STEP_BYTE (22: the top of word 2 and the bottom of word 3), block 0
+        first = b == 0
+        m2 = tl.where(first, m2 | (s << (8 * (STEP_BYTE - 16))), m2)
+        m3 = tl.where(first, m3 | (s >> (8 * (24 - STEP_BYTE))), m3)
         last = nblocks == b + 1
         t = tl.where(last, n, (b + 1) * 128).to(tl.uint64)
         c0, c1, c2, c3, c4, c5, c6, c7 = _compress(h0, h1, h2, h3, h4, h5, h6, h7, m0, m1, m2, m3, m4, m5, m6, m7,

@@ -59,16 +59,67 @@ def _fp_options() -> dict:
     return {} if interpreting() else FP_OPTIONS
 
 
+class Launcher:
+    """Launches a Triton kernel with little host work per call.
+
+    Triton's JIT binds and specializes every argument on every call (tens of microseconds, which
+    is most of a small rounding's cost). Here the first call of each specialization goes through
+    the JIT (it compiles, caches and launches); later calls launch that compiled kernel directly.
+    The specialization is Triton's own rule for these arguments: each pointer's 16-byte alignment
+    and each integer's width (every integer parameter is ``do_not_specialize``). Under the
+    interpreter, or if this Triton's launch interface is not the one expected, the JIT path is used.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = list(fn.arg_names)
+        self.compiled: dict = {}
+        self.direct = True
+
+    def __call__(self, grid: int, *args, num_warps: int = 4, **kw) -> None:
+        if interpreting() or not self.direct:
+            self.fn[(grid,)](*args, num_warps=num_warps, **kw)
+            return
+        spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
+                     for a in args)
+        key = (spec, num_warps, tuple(sorted(kw.items())))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            self.compiled[key] = self.fn[(grid,)](*args, num_warps=num_warps, **kw)
+            return
+        it = iter(args)
+        full = [kw[n] if n in kw else next(it) for n in self.names]
+        try:
+            stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+            kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+        except Exception as exc:  # another Triton's launcher interface: the JIT path from now on
+            import warnings
+
+            warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning)
+            self.direct = False
+            self.fn[(grid,)](*args, num_warps=num_warps, **kw)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(fn) -> Launcher:
+    la = _LAUNCHERS.get(fn)
+    if la is None:
+        la = _LAUNCHERS[fn] = Launcher(fn)
+    return la
+
+
 @dataclass(frozen=True)
 class TensorTable:
-    """A multi-tensor launch's fixed part: ``meta`` (int64, fields x tensors, on the device),
-    ``starts`` (cumulative block counts, ``T + 1``), the grid and the search depth."""
+    """A multi-tensor launch's fixed part, on the device: ``meta`` (int64, fields x tensors),
+    ``bmap`` (each program's tensor and block, expanded on the device from O(T) block counts)
+    and the grid."""
 
     meta: torch.Tensor
-    starts: torch.Tensor
+    bmap: torch.Tensor
     count: int
     grid: int
-    log2t: int
 
 
 def table_arrays(fields: Sequence[Sequence[int]], ns: Sequence[int], g0s: Sequence[int], block: int,
@@ -127,7 +178,10 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def _make_table(fields, ns, g0s, block, aligned, device) -> TensorTable:
     meta, starts = table_arrays(fields, ns, g0s, block, aligned)
     both = upload(np.concatenate([meta.reshape(-1), starts]), device)
-    return TensorTable(both[:meta.size], both[meta.size:], len(ns), int(starts[-1]), (len(ns) - 1).bit_length())
+    grid = int(starts[-1])
+    bmap = torch.empty(max(grid, 1), dtype=torch.int64, device=device)
+    tk.block_map_kernel[(len(ns),)](both[meta.size:], bmap, CHUNK=1024)
+    return TensorTable(both[:meta.size], bmap, len(ns), grid)
 
 
 def is_aligned(addresses: Sequence[int], g0s: Sequence[int]) -> bool:
@@ -178,11 +232,10 @@ class KeyTemplates:
             consts: torch.Tensor | None = None, slots: int = 0) -> None:
         """Keys of step ``counter + 1`` into ``keys``; with ``hyper`` (float64 ``[slots, 5]``:
         lr, beta1, beta2, eps, weight decay), AdamW's constants of that step into ``consts``."""
-        grid = (triton_cdiv(self.count, KEY_LANES),)
-        triton_keys.step_data_kernel[grid](
-            self.words, self.lens, counter, keys, self.count, keys if hyper is None else hyper,
-            keys if consts is None else consts, slots, STEP_BYTE=STEP_BYTE, KEYED_STEP=self.stochastic,
-            NB=self.blocks, BT=KEY_LANES, BS=max(1, 1 << (max(slots, 1) - 1).bit_length()), **_fp_options())
+        launcher(triton_keys.step_data_kernel)(
+            triton_cdiv(self.count, KEY_LANES), self.words, self.lens, counter, keys, self.count, keys if hyper is None else hyper,
+            keys if consts is None else consts, slots, self.blocks, STEP_BYTE=STEP_BYTE, KEYED_STEP=self.stochastic,
+            BT=KEY_LANES, BS=max(1, 1 << (max(slots, 1) - 1).bit_length()), **_fp_options())
 
 
 # ---- SR cast -------------------------------------------------------------------------------------
@@ -197,14 +250,12 @@ def round_one(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
     xb, ob = x.view(torch.int32), out.view(torch.int16)
     keyed = key is not None
     if rows is not None and keyed:
-        grid = (triton_cdiv(n, SR_BLOCK),)
-        tk.sr_rows_kernel[grid](xb, ob, n, offset, key, rows[0], rows[1], KEYED=True, BLOCK=SR_BLOCK,
-                                num_warps=SR_WARPS)
+        launcher(tk.sr_rows_kernel)(triton_cdiv(n, SR_BLOCK), xb, ob, n, offset, key, rows[0], rows[1], KEYED=True,
+                                    BLOCK=SR_BLOCK, num_warps=SR_WARPS)
         return
     aligned = is_aligned((x.data_ptr(), out.data_ptr()), (offset,))
-    grid = (triton_cdiv(n + (0 if aligned else offset % 4), SR_BLOCK),)
-    tk.sr_one_kernel[grid](xb, ob, n, offset, key if keyed else 0, KEYED=keyed, ALIGNED=aligned, BLOCK=SR_BLOCK,
-                           num_warps=SR_WARPS)
+    launcher(tk.sr_one_kernel)(triton_cdiv(n + (0 if aligned else offset % 4), SR_BLOCK), xb, ob, n, offset,
+                               key if keyed else 0, KEYED=keyed, ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
 
 
 class SRLaunch:
@@ -246,9 +297,9 @@ class SRLaunch:
             return
         keyed = keys is not None
         for aligned, rows, table in self.groups:
-            key_dev = upload(keys[rows], self.device) if keyed else table.starts
-            tk.sr_many_kernel[(table.grid,)](table.meta, table.starts, key_dev, table.count, LOG2T=table.log2t,
-                                             KEYED=keyed, ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+            key_dev = upload(keys[rows], self.device) if keyed else table.meta
+            launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, key_dev, table.count, KEYED=keyed,
+                                        ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
 
 
     def _run_device(self, step: DeviceStep, names: Sequence[str]) -> None:
@@ -267,8 +318,8 @@ class SRLaunch:
         for (aligned, rows, table), tmpl in zip(self.groups, templates):
             keys = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             tmpl.run(step.counter, keys)
-            tk.sr_many_kernel[(table.grid,)](table.meta, table.starts, keys, table.count, LOG2T=table.log2t,
-                                             KEYED=True, ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+            launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, keys, table.count, KEYED=True,
+                                        ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
 
 
 def round_many(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], keys: np.ndarray | None,
@@ -309,6 +360,9 @@ class AdamWLaunch:
         self.ns = [params[i].numel() for i in self.live]
         self.g0 = [offsets[i] for i in self.live]
         self._tables: dict[tuple[bool, tuple[int, ...]], TensorTable] = {}
+        # which pieces may take the 16-byte path, gradients aside (checked per step)
+        self._static_aligned = [flag for flag in (self.g0[k] % 4 == 0 and all(a[k] % ALIGN_BYTES == 0 for a in self.addresses)
+                                                  for k in range(len(self.live)))]
 
     def _table(self, aligned: bool, idx: list[int]) -> TensorTable:
         key = (ADAMW_BLOCK, aligned, tuple(idx))
@@ -333,42 +387,50 @@ class AdamWLaunch:
         if not self.live:
             return
         live = self.live
-        ga = [grads[i].data_ptr() for i in live]
-        bf16 = [grads[i].dtype == torch.bfloat16 for i in live]
-        for t in (grads[i] for i in live):
-            if t.device != self.device or not t.is_contiguous():
+        ga, bf16, ok = [], [], []
+        for k, i in enumerate(live):
+            g = grads[i]
+            if not g.is_contiguous() or g.device != self.device:
                 raise ValueError("Triton kernels need contiguous gradients on the parameters' device")
+            a = g.data_ptr()
+            ga.append(a)
+            bf16.append(g.dtype == torch.bfloat16)
+            ok.append(self._static_aligned[k] and a % ALIGN_BYTES == 0)
         consts = np.ascontiguousarray(consts if consts is not None else np.zeros(8), dtype=np.float32).reshape(-1, 8)
         keyed = keys is not None
-        for aligned, idx in _split_by_alignment(len(live), (*self.addresses, ga), self.g0):
-            for grad_bf16 in (True, False):
-                sel = [k for k in idx if bf16[k] == grad_bf16]
-                if not sel:
-                    continue
-                table = self._table(aligned, sel)
-                rows = [live[k] for k in sel]
-                t = len(sel)
-                step_rows = np.concatenate([np.asarray([ga[k] for k in sel], np.int64),
-                                            np.asarray([slots[r] for r in rows], np.int64)])
-                if device_step is not None:
-                    hyper64 = np.ascontiguousarray(hyper, dtype=np.float64).reshape(-1, 5)
-                    step = self._static_upload((aligned, grad_bf16),
-                                               np.concatenate([step_rows, hyper64.view(np.int64).reshape(-1)]))
-                    key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
-                    const_dev = torch.empty(hyper64.shape[0] * 8, dtype=torch.float32, device=self.device)
-                    self._templates_for(aligned, rows, device_step).run(
-                        device_step.counter, key_dev, step[2 * t:].view(torch.float64), const_dev, hyper64.shape[0])
-                    keyed = True
-                else:
-                    key_rows = keys[:, rows] if keyed else np.zeros((3, t), dtype=np.int64)
-                    step = upload(np.concatenate([key_rows.astype(np.int64).reshape(-1), step_rows,
-                                                  consts.view(np.int64).reshape(-1)]), self.device)
-                    key_dev, step = step[:3 * t], step[3 * t:]
-                    const_dev = step[2 * t:].view(torch.float32)
-                tk.adamw_many_kernel[(table.grid,)](
-                    table.meta, table.starts, key_dev, step[:2 * t], const_dev, scale, table.count,
-                    LOG2T=table.log2t, KEYED=keyed, ALIGNED=aligned, GRAD_BF16=grad_bf16, PURE=self.pure,
-                    MOMENT_BF16=self.moment_bf16, BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS, **_fp_options())
+        everything = list(range(len(live)))
+        if all(ok) and (all(bf16) or not any(bf16)):  # the usual case: one launch
+            groups = [(True, bf16[0], everything)]
+        else:
+            groups = [(aligned, grad_bf16, [k for k in everything if ok[k] == aligned and bf16[k] == grad_bf16])
+                      for aligned in (True, False) for grad_bf16 in (True, False)]
+        for aligned, grad_bf16, sel in groups:
+            if not sel:
+                continue
+            table = self._table(aligned, sel)
+            rows = [live[k] for k in sel]
+            t = len(sel)
+            step_rows = np.concatenate([np.asarray([ga[k] for k in sel], np.int64),
+                                        np.asarray([slots[r] for r in rows], np.int64)])
+            if device_step is not None:
+                hyper64 = np.ascontiguousarray(hyper, dtype=np.float64).reshape(-1, 5)
+                step = self._static_upload((aligned, grad_bf16),
+                                           np.concatenate([step_rows, hyper64.view(np.int64).reshape(-1)]))
+                key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
+                const_dev = torch.empty(hyper64.shape[0] * 8, dtype=torch.float32, device=self.device)
+                self._templates_for(aligned, rows, device_step).run(
+                    device_step.counter, key_dev, step[2 * t:].view(torch.float64), const_dev, hyper64.shape[0])
+                keyed = True
+            else:
+                key_rows = keys[:, rows] if keyed else np.zeros((3, t), dtype=np.int64)
+                step = upload(np.concatenate([key_rows.astype(np.int64).reshape(-1), step_rows,
+                                              consts.view(np.int64).reshape(-1)]), self.device)
+                key_dev, step = step[:3 * t], step[3 * t:]
+                const_dev = step[2 * t:].view(torch.float32)
+            launcher(tk.adamw_many_kernel)(
+                table.grid, table.meta, table.bmap, key_dev, step[:2 * t], const_dev, scale, table.count, KEYED=keyed,
+                ALIGNED=aligned, GRAD_BF16=grad_bf16, PURE=self.pure, MOMENT_BF16=self.moment_bf16, BLOCK=ADAMW_BLOCK,
+                num_warps=ADAMW_WARPS, **_fp_options())
 
     def _static_upload(self, group, array: np.ndarray) -> torch.Tensor:
         """The device copy of a capturable step's data (gradient addresses, slots, hyper-parameters),

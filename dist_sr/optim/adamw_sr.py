@@ -54,8 +54,7 @@ class AdamWSR(torch.optim.Optimizer):
         self.moment_dtype = MOMENT_DTYPES[moment_dtype]
         self._counter = StepCounter()
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._plan: AdamWPlan | None = None
-        self._plan_identity: list = []
+        self._plan = None
         self._sharded = any(_is_dtensor(p) for group in self.param_groups for p in group["params"])
         if capturable:
             devices = {p.device for group in self.param_groups for p in group["params"]}
@@ -91,12 +90,11 @@ class AdamWSR(torch.optim.Optimizer):
         hypers: list[AdamWHyper] = []
         slot_of: dict[tuple[int, int], int] = {}
         slots: list[int] = []
-        for gi, p in self._params:
+        for (gi, p), state in zip(self._params, self._states):
             if p.grad is None:
                 grads.append(None)
                 slots.append(0)
                 continue
-            state = self.state[p]
             state["step"] += 1
             key = (gi, state["step"])
             if key not in slot_of:
@@ -112,6 +110,10 @@ class AdamWSR(torch.optim.Optimizer):
     def _ensure_plan(self) -> AdamWPlan:
         """The fused plan over every parameter's local piece and its moments, built on the first
         step and again whenever a parameter or a moment tensor was replaced (a loaded state)."""
+        if self._plan is not None:  # the usual step: the same parameters, moments and storage
+            same = all(st["exp_avg"] is m and st["exp_avg_sq"] is v for st, m, v in self._plan_moments)
+            if same and (self._sharded or [p.data_ptr() for _, p in self._params] == self._plan_addresses):
+                return self._plan
         self._params = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]]
         for _, p in self._params:
             state = self.state[p]
@@ -119,28 +121,27 @@ class AdamWSR(torch.optim.Optimizer):
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
-        identity = [(id(p), id(self.state[p]["exp_avg"]), id(self.state[p]["exp_avg_sq"]),
-                     None if self._sharded else p.data_ptr()) for _, p in self._params]
-        if self._plan is None or identity != self._plan_identity:
-            if self._counter.capturable:
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
-                                       "(the first step builds the fused plan and the moments)")
-                if self._plan is not None:  # a tensor was replaced: the host steps did not follow the device's
-                    for _, p in self._params:
-                        self.state[p]["step"] = self.step_count
-                steps = {self.state[p]["step"] for _, p in self._params}
-                if steps - {self.step_count}:
-                    raise ValueError(f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
-                                     f"{sorted(steps)} differ from the key's step {self.step_count}")
-            pieces = []
-            names = {id(p): n for group in self.param_groups for n, p in zip(group["param_names"], group["params"])}
-            for _, p in self._params:
-                local, offset, rows = _local_shard(p)
-                m, v = (_local_shard(self.state[p][k])[0] for k in ("exp_avg", "exp_avg_sq"))
-                pieces.append(AdamWPiece(names[id(p)], local.detach(), m, v, None, offset, rows))
-            self._plan = AdamWPlan(pieces, backend=self.backend)
-            self._plan_identity = identity
+        self._states = [self.state[p] for _, p in self._params]
+        self._plan_moments = [(st, st["exp_avg"], st["exp_avg_sq"]) for st in self._states]
+        self._plan_addresses = [] if self._sharded else [p.data_ptr() for _, p in self._params]
+        if self._counter.capturable:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
+                                   "(the first step builds the fused plan and the moments)")
+            if self._plan is not None:  # a tensor was replaced: the host steps did not follow the device's
+                for _, p in self._params:
+                    self.state[p]["step"] = self.step_count
+            steps = {self.state[p]["step"] for _, p in self._params}
+            if steps - {self.step_count}:
+                raise ValueError(f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
+                                 f"{sorted(steps)} differ from the key's step {self.step_count}")
+        pieces = []
+        names = {id(p): n for group in self.param_groups for n, p in zip(group["param_names"], group["params"])}
+        for _, p in self._params:
+            local, offset, rows = _local_shard(p)
+            m, v = (_local_shard(self.state[p][k])[0] for k in ("exp_avg", "exp_avg_sq"))
+            pieces.append(AdamWPiece(names[id(p)], local.detach(), m, v, None, offset, rows))
+        self._plan = AdamWPlan(pieces, backend=self.backend)
         return self._plan
 
     def _capturable_step(self, plan: AdamWPlan) -> None:
@@ -151,6 +152,10 @@ class AdamWSR(torch.optim.Optimizer):
         plan.step_([g.contiguous() for g in grads], hypers, [gi for gi, _ in self._params], seed=self.seed, step=0,
                    mode=self.mode, device_step=self._counter.device_step(self.seed, self.mode))
         self._counter.advance()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._plan = None
 
     def dist_sr_meta(self) -> dict[str, Any]:
         """The rounding key's state, saved beside the moments."""

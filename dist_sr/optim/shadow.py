@@ -327,25 +327,24 @@ class ShadowAdamW(ShadowOptimizer):
         any of those tensors was replaced (a loaded state dict, a moved model)."""
         state = self.inner.state
         capturable = self._counter.capturable
-        for _, _, s in self._pairs:
-            if not state.get(s):  # torch.optim.AdamW's layout, so checkpoints interchange
-                step = torch.zeros((), dtype=torch.float32, device=s.device if capturable else "cpu")
-                state[s] = {"step": step, "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
-                            "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format)}
-                self._plan = None
-        if self._plan is not None:
-            addresses = [t.data_ptr() for _, p, s in self._pairs
-                         for t in (p, s, state[s]["exp_avg"], state[s]["exp_avg_sq"])]
-            if addresses != self._plan_addresses:
+        if self._plan is not None:  # the usual step: same moments, same working storage
+            same = all(st is state.get(sh) and st["exp_avg"] is m and st["exp_avg_sq"] is v
+                       for sh, st, m, v in self._plan_moments)
+            if not same or [p.data_ptr() for _, p, _ in self._pairs] != self._plan_addresses:
                 self._plan = None
         if self._plan is None:
             if capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("ShadowAdamW(capturable=True): run one step before capturing it in a CUDA graph "
                                    "(the first step builds the fused plan and the optimizer state)")
+            for _, _, s in self._pairs:
+                if not state.get(s):  # torch.optim.AdamW's layout, so checkpoints interchange
+                    step = torch.zeros((), dtype=torch.float32, device=s.device if capturable else "cpu")
+                    state[s] = {"step": step, "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format)}
             self._plan = AdamWPlan([AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data)
                                     for n, p, s in self._pairs], backend=self.backend)
-            self._plan_addresses = [t.data_ptr() for _, p, s in self._pairs
-                                    for t in (p, s, state[s]["exp_avg"], state[s]["exp_avg_sq"])]
+            self._plan_addresses = [p.data_ptr() for _, p, _ in self._pairs]
+            self._plan_moments = [(s, state[s], state[s]["exp_avg"], state[s]["exp_avg_sq"]) for _, _, s in self._pairs]
             self._adam_steps = [int(state[s]["step"]) for _, _, s in self._pairs]  # once per rebuild, not per step
             if capturable:
                 if set(self._adam_steps) - {self.step_count}:
