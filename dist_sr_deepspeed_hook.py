@@ -4,7 +4,7 @@
 ``dist-sr deepspeed-hook install`` writes ``dist_sr_deepspeed_hook.pth`` into the environment's
 site-packages; Python runs its one line at start-up, which imports this module. It imports
 nothing heavy: it only registers an import finder, and when (if ever) ``deepspeed`` is imported,
-it replaces ``deepspeed.initialize`` with ``dist_sr.integrations.deepspeed.hooked_initialize``.
+it replaces ``deepspeed.initialize`` with ``dist_sr.engines.deepspeed.hooked_initialize``.
 That wrapper passes every call whose config has no enabled SR block through untouched, and
 otherwise attaches keyed SR (or fails loudly: an untested DeepSpeed version, no bf16).
 
@@ -38,7 +38,7 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self.inner.exec_module(module)
         try:
-            from dist_sr.integrations.deepspeed import hooked_initialize
+            from dist_sr.engines.deepspeed.hook import hooked_initialize
         except Exception as exc:  # a broken dist-sr install must say so, not leave SR configs to RTN
             raise ImportError(f"dist-sr's deepspeed hook ({PTH_NAME}) could not import dist_sr: {exc!r}. Repair "
                               f"the dist-sr install, or remove the hook (`dist-sr deepspeed-hook uninstall`; "
@@ -77,7 +77,7 @@ def register() -> None:
 
 
 def patch_loaded() -> None:
-    from dist_sr.integrations.deepspeed import hooked_initialize
+    from dist_sr.engines.deepspeed.hook import hooked_initialize
 
     ds = sys.modules["deepspeed"]
     if not getattr(ds.initialize, "__dist_sr_hook__", False):

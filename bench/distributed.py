@@ -38,7 +38,7 @@ def tiny_llama(hidden: int, layers: int):
 
 
 def deepspeed_engine(model, sr: bool):
-    from dist_sr.integrations import deepspeed as dsr
+    from dist_sr.engines import deepspeed as dsr
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
@@ -57,7 +57,7 @@ def deepspeed_engine(model, sr: bool):
 def fsdp2_step_fn(model, sr: bool):
     from torch.distributed.fsdp import fully_shard
 
-    from dist_sr.integrations import fsdp2
+    from dist_sr.engines import fsdp2
 
     ctx = fsdp2.prepare(model, seed=1) if sr else None
     for block in model.model.layers:
@@ -77,7 +77,7 @@ def fsdp2_step_fn(model, sr: bool):
 
 def fsdp2_precision_step_fn(model, precision: dict):
     """FSDP2 under the precision switch (bf16-sr or bf16-pure-sr) and the optimizer it pairs with."""
-    from dist_sr.integrations import fsdp2
+    from dist_sr.engines import fsdp2
 
     ctx = fsdp2.apply_fsdp2(model, precision, {"shard_modules": ["LlamaDecoderLayer"]})
     if precision["precision"] == "bf16-pure-sr":

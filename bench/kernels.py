@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import round_robin  # noqa: E402
-from dist_sr.numerics import cpu_kernel  # noqa: E402
+from dist_sr.numerics.backends import cpu as cpu_kernel  # noqa: E402
 from dist_sr.numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan  # noqa: E402
 from dist_sr.numerics.key import signed64, stream_key  # noqa: E402
 

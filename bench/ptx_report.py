@@ -28,10 +28,10 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dist_sr.numerics import triton_kernels as tk  # noqa: E402
-from dist_sr.numerics import triton_keys  # noqa: E402
+from dist_sr.numerics.backends.triton import kernels as tk  # noqa: E402
+from dist_sr.numerics.backends.triton import keys as triton_keys  # noqa: E402
+from dist_sr.numerics.backends.triton.launch import FP_OPTIONS  # noqa: E402
 from dist_sr.numerics.key import STEP_BYTE  # noqa: E402
-from dist_sr.numerics.triton_launch import FP_OPTIONS  # noqa: E402
 
 DIV16 = [["tt.divisibility", 16]]
 SR_MANY = {"meta": "*i64", "bmap": "*i64", "keys": "*i64", "T": "i32"}
@@ -39,7 +39,7 @@ ADAMW_MANY = {"meta": "*i64", "bmap": "*i64", "keys": "*i64", "step_data": "*i64
               "scale_ptr": "*fp32", "T": "i32"}
 SR_ONE = {"x_ptr": "*i32", "out_ptr": "*i16", "n": "i64", "g0": "i64", "key": "i64"}
 SR_ROWS = {**SR_ONE, "row_len": "i64", "row_stride": "i64"}
-STEP_DATA = {"tmpl": "*i64", "lens": "*i64", "step_ptr": "*i64", "keys": "*i64", "T": "i32", "hyper": "*fp64",
+STEP_DATA = {"tmpl": "*i64", "lens": "*i64", "sigma": "*i64", "step_ptr": "*i64", "keys": "*i64", "T": "i32", "hyper": "*fp64",
              "consts": "*fp32", "S": "i32", "NB": "i32"}
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from dist_sr import ShadowAdamW, ShadowOptimizer
-from dist_sr.numerics import cpu_kernel, reference
+from dist_sr.numerics.backends import cpu as cpu_kernel
+from dist_sr.numerics.backends import reference
 from dist_sr.numerics.key import stream_key
 
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.optimizer_step import qwen05b_shapes  # noqa: E402
-from dist_sr.numerics import triton_launch as tl_  # noqa: E402
+from dist_sr.numerics.backends.triton import launch as tl_  # noqa: E402
 from dist_sr.numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan  # noqa: E402
 from dist_sr.numerics.key import stream_keys  # noqa: E402
 
@@ -71,7 +71,7 @@ def main() -> None:
         print(f"| {block} x {warps} | {one:.3f} | {pct_one:.0%} | {many:.3f} | {pct_many:.0%} |")
         if best_sr is None or one + many < best_sr[0]:
             best_sr = (one + many, block, warps)
-    del x28, o28, f32
+    x28 = o28 = f32 = None  # free the 2^28 buffers before the AdamW sweep
     shadows = xs
     m = [torch.zeros_like(x) for x in xs]
     v = [torch.zeros_like(x) for x in xs]

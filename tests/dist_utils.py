@@ -12,7 +12,6 @@ import torch.multiprocessing as mp
 
 from dist_sr.net import free_port  # noqa: F401  (re-exported for the tests)
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -1,1 +1,4 @@
-"""Where keyed SR plugs into distributed training stacks (FSDP2 here; each stack one module)."""
+"""Integrations with other people's training frameworks (the top layer, beside ``launch``).
+
+``deepspeed`` and ``fsdp2`` here are the former locations of what now lives in
+``dist_sr.engines`` (kept, deprecated, so existing imports work)."""

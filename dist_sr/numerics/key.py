@@ -110,9 +110,18 @@ def _check_seed_step(seed: int, step: int) -> None:
         raise ValueError(f"step must be an int in [0, 2^64), got {step!r}")
 
 
+def check_key_state(saved, *, seed: int, mode: str) -> None:
+    """Refuse to resume from a checkpoint whose rounding key (seed, mode) is not this run's: the
+    re-derived working weights would differ from the ones that were trained."""
+    for field, mine in (("seed", seed), ("mode", mode)):
+        if saved[field] != mine:
+            raise ValueError(f"checkpoint was written with {field}={saved[field]!r} but this run has {field}={mine!r}; "
+                             f"use {field}={saved[field]!r} to resume it")
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"unknown rounding mode {mode!r}; choose one of {', '.join(MODES)}")
+        raise ValueError(f"unknown mode {mode!r} (the rounding mode); choose one of {', '.join(MODES)}")
     return mode
 
 

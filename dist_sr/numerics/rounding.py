@@ -1,22 +1,19 @@
-"""``stochastic_round``: the public FP32 -> BF16 keyed rounding, dispatched to a backend.
-
-Backends give bitwise identical results: ``"reference"`` (pure torch, any device), ``"cpu"`` (the
-compiled C++ kernel) and ``"triton"`` (CUDA). ``"auto"`` picks the fastest one available for the
-tensor's device; a missing fast path falls back to the reference with a one-time warning.
+"""``stochastic_round``: the public FP32 -> BF16 keyed rounding, dispatched to a backend
+(``numerics.backends``: every backend gives the reference's bits; ``"auto"`` picks the fastest
+one for the tensor's device).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
-from . import cpu_kernel, reference
+from . import backends
 from .key import check_mode, signed64, stream_key, stream_keys
 
-BACKENDS = ("auto", "reference", "cpu", "triton")
+BACKENDS = backends.names()  # the names a user may pass; see numerics.backends
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,7 @@ def stochastic_round(
     Returns ``out`` (BF16, same shape as ``x``), allocated if not given.
     """
     check_mode(mode)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    backends.check_name(backend)
     job = RoundingJob(param, x, _out_for(x, out), offset, row_stride)
     _validate(job)
     if x.numel() == 0:
@@ -75,7 +71,7 @@ def stochastic_round(
     key = None if mode == "nearest" else signed64(stream_key(seed=seed, step=step, param=param, mode=mode))
     src = x.detach().contiguous().view(-1)
     dst = job.out if job.out.is_contiguous() else torch.empty_like(job.out, memory_format=torch.contiguous_format)
-    _ROUND_ONE[choose_backend(backend, param, x.device)](src, dst.view(-1), key, offset, _rows(job))
+    backends.choose(backend, param, x.device).round_one(src, dst.view(-1), key, offset, _rows(job))
     if dst is not job.out:
         job.out.copy_(dst)
     return job.out
@@ -99,16 +95,19 @@ class RoundingBatch:
     """A fixed list of pieces rounded again and again (an optimizer's working weights, a
     DeepSpeed partition). Checked and prepared once; ``run`` does O(pieces) host work (the keys
     and the pieces' addresses, to notice a tensor whose storage was replaced), one kernel call
-    per backend, and never reads a device value back."""
+    per backend, and never reads a device value back.
+
+    Backends read ``xs``/``outs`` (flat, contiguous), ``offsets``, ``rows``, ``names`` and keep
+    their launch state in ``launches``."""
 
     def __init__(self, jobs: Sequence[RoundingJob] | Iterable[RoundingJob], *, backend: str = "auto"):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.jobs = list(jobs)
-        self.backend = backend
+        self.backend = backends.check_name(backend)
         for job in self.jobs:
             _validate(job)
         self.names = [job.param for job in self.jobs]
+        self.offsets = [job.offset for job in self.jobs]
+        self.rows = [_rows(job) for job in self.jobs]
         self._prepare()
 
     def _addresses(self) -> list[int]:
@@ -118,16 +117,18 @@ class RoundingBatch:
         self._seen = self._addresses()
         self.xs, self.outs, self._copy_back = [], [], []
         self._by_backend: dict[str, list[int]] = {}
-        for i, job in enumerate(self.jobs):
-            self.xs.append(job.x.detach().contiguous().view(-1))
-            dst = job.out
-            if not dst.is_contiguous():
-                dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
-                self._copy_back.append((job.out, dst))
-            self.outs.append(dst.view(-1))
-            self._by_backend.setdefault(choose_backend(self.backend, job.param, self.xs[i].device), []).append(i)
+        with torch.no_grad():
+            for i, job in enumerate(self.jobs):
+                self.xs.append(job.x.detach().contiguous().view(-1))
+                dst = job.out
+                if not dst.is_contiguous():
+                    dst = torch.empty_like(job.out, memory_format=torch.contiguous_format)
+                    self._copy_back.append((job.out, dst))
+                self.outs.append(dst.view(-1))
+                chosen = backends.choose(self.backend, job.param, self.xs[i].device)
+                self._by_backend.setdefault(chosen.name, []).append(i)
         self._contiguous_x = all(job.x.is_contiguous() for job in self.jobs)
-        self._launches: dict[str, object] = {}
+        self.launches: dict = {}
 
     def run(self, *, seed: int, step: int, mode: str = "stochastic") -> None:
         check_mode(mode)
@@ -136,135 +137,27 @@ class RoundingBatch:
         if not self._contiguous_x or self._addresses() != self._seen:
             self._prepare()  # a non-contiguous input is copied afresh; a replaced storage is re-read
         keys = stream_keys(self.names, seed=seed, step=step, mode=mode) if mode != "nearest" else None
-        for chosen, idx in self._by_backend.items():
-            _BACKEND_ROUNDERS[chosen](self, idx, keys)
+        for name, idx in self._by_backend.items():
+            backends.get(name).round_batch(self, idx, keys)
         for out, dst in self._copy_back:
             out.copy_(dst)
 
-
-    def run_on_device(self, device_step) -> None:
+    def run_on_device(self, device_step: backends.DeviceStep) -> None:
         """Round with the keys of step ``device_step.counter + 1``, derived on the device (CUDA,
         Triton backend, contiguous pieces): a step captured in a CUDA graph replays with the keys
         of the step it replays."""
-        odd = set(self._by_backend) - {"triton"}
-        if odd or any(job.row_stride is not None for job in self.jobs) or self._copy_back:
-            raise ValueError("rounding with keys derived on the device needs contiguous CUDA pieces on the Triton "
-                             f"backend (got backends {sorted(set(self._by_backend))})")
+        if (not all(backends.get(n).device_keys for n in self._by_backend) or any(r is not None for r in self.rows)
+                or self._copy_back):
+            raise ValueError("rounding with keys derived on the device needs contiguous pieces on a backend that "
+                             f"derives keys on the device (Triton, CUDA); got {sorted(self._by_backend)}")
         if self._addresses() != self._seen:
             self._prepare()
-        _round_triton(self, self._by_backend.get("triton", []), None, device_step)
+        for name, idx in self._by_backend.items():
+            backends.get(name).round_batch(self, idx, None, device_step)
 
 
 def _rows(job: RoundingJob) -> tuple[int, int] | None:
     return None if job.row_stride is None else (job.x.shape[-1] if job.x.dim() else 1, job.row_stride)
-
-
-def _round_reference(batch: RoundingBatch, idx, keys) -> None:
-    for i in idx:
-        job = batch.jobs[i]
-        reference.round_into(batch.xs[i], batch.outs[i], None if keys is None else int(keys[i]) % (1 << 64),
-                             job.offset, _rows(job))
-
-
-def _round_cpu(batch: RoundingBatch, idx, keys) -> None:
-    kernel = cpu_kernel.load()
-    flat = []
-    for i in idx:
-        rows = _rows(batch.jobs[i])
-        if rows is not None and keys is not None:
-            kernel.round_rows(batch.xs[i], batch.outs[i], int(keys[i]), batch.jobs[i].offset, *rows)
-        else:
-            flat.append(i)
-    if flat:
-        kernel.round_tensors([batch.xs[i] for i in flat], [batch.outs[i] for i in flat], keys is not None,
-                             [] if keys is None else keys[flat].tolist(), [batch.jobs[i].offset for i in flat])
-
-
-def _round_triton(batch: RoundingBatch, idx, keys, device_step=None) -> None:
-    from . import triton_launch
-
-    flat = []
-    for i in idx:
-        rows = _rows(batch.jobs[i])
-        if rows is not None and keys is not None:
-            triton_launch.round_one(batch.xs[i], batch.outs[i], int(keys[i]), batch.jobs[i].offset, rows)
-        else:
-            flat.append(i)
-    if not flat:
-        return
-    launch = batch._launches.get(("triton", tuple(flat)))
-    if launch is None:
-        launch = triton_launch.SRLaunch([batch.xs[i] for i in flat], [batch.outs[i] for i in flat],
-                                        [batch.jobs[i].offset for i in flat])
-        batch._launches[("triton", tuple(flat))] = launch
-    if device_step is not None:
-        launch(None, device_step, [batch.names[i] for i in flat])
-    else:
-        launch(None if keys is None else keys[flat])
-
-
-_BACKEND_ROUNDERS = {"reference": _round_reference, "cpu": _round_cpu, "triton": _round_triton}
-
-
-def _one_reference(x, out, key, offset, rows) -> None:
-    reference.round_into(x, out, None if key is None else key % (1 << 64), offset, rows)
-
-
-def _one_cpu(x, out, key, offset, rows) -> None:
-    kernel = cpu_kernel.load()
-    if rows is not None and key is not None:
-        kernel.round_rows(x, out, key, offset, *rows)
-    else:
-        kernel.round_tensor(x, out, key is not None, 0 if key is None else key, offset)
-
-
-def _one_triton(x, out, key, offset, rows) -> None:
-    from . import triton_launch
-
-    triton_launch.round_one(x, out, key, offset, rows)
-
-
-_ROUND_ONE = {"reference": _one_reference, "cpu": _one_cpu, "triton": _one_triton}
-
-
-_warned_no_triton = False
-
-
-def triton_available() -> str | None:
-    """None if the Triton kernels can be used, else why not."""
-    try:
-        import triton  # noqa: F401  (availability probe)
-    except ImportError as exc:
-        return f"triton is not installed ({exc})"
-    return None
-
-
-def choose_backend(backend: str, param: str, device: torch.device) -> str:
-    """The backend that rounds ``param``'s tensors on ``device`` under the user's choice ``backend``."""
-    global _warned_no_triton
-    if backend == "reference":
-        return "reference"
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"backend 'cpu' needs CPU tensors; {param!r} is on {device}")
-        cpu_kernel.load()  # raises KernelUnavailable with the reason
-        return "cpu"
-    if backend == "triton":
-        why = triton_available()
-        if why:
-            raise RuntimeError(f"backend 'triton' unavailable: {why}")
-        return "triton"
-    if device.type == "cpu":
-        return "cpu" if cpu_kernel.get() is not None else "reference"
-    if device.type == "cuda":
-        why = triton_available()
-        if why is None:
-            return "triton"
-        if not _warned_no_triton:
-            _warned_no_triton = True
-            warnings.warn(f"dist_sr: Triton rounding kernel unavailable ({why}); using the pure-torch reference, "
-                          "which gives the same bits more slowly", RuntimeWarning, stacklevel=4)
-    return "reference"
 
 
 def _out_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

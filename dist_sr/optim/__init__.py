@@ -4,6 +4,8 @@ from .adamw_sr import AdamWSR
 from .loss_scale import DynamicLossScaler
 from .metrics import StickingMeter
 from .params import named_param_groups
+from .registry import OPTIMIZERS, optimizer_class, register_optimizer
 from .shadow import ShadowAdamW, ShadowOptimizer
 
-__all__ = ["AdamWSR", "DynamicLossScaler", "ShadowAdamW", "ShadowOptimizer", "StickingMeter", "named_param_groups"]
+__all__ = ["OPTIMIZERS", "AdamWSR", "DynamicLossScaler", "ShadowAdamW", "ShadowOptimizer", "StickingMeter",
+           "named_param_groups", "optimizer_class", "register_optimizer"]

@@ -7,19 +7,22 @@ same key, so they stay bit-identical without exchanging weights.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan
-from ..numerics.key import check_mode
-from .counter import StepCounter
+from ..numerics import backends
+from ..numerics.fused import AdamWPiece, AdamWPlan
+from ..numerics.key import check_key_state, check_mode
+from ..numerics.shards import is_dtensor, local_shard
+from .counter import CountsSteps, StepCounter
+from .fused_step import FusedAdamWSteps
 from .params import ParamsLike, named_param_groups
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class AdamWSR(torch.optim.Optimizer):
+class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
     """AdamW on BF16 parameters with keyed stochastic rounding of the result.
 
     ``moment_dtype="bf16"`` stores both moments in BF16, stochastically rounded with the keys
@@ -55,57 +58,27 @@ class AdamWSR(torch.optim.Optimizer):
         self._counter = StepCounter()
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._plan = None
-        self._sharded = any(_is_dtensor(p) for group in self.param_groups for p in group["params"])
+        self._sharded = any(is_dtensor(p) for group in self.param_groups for p in group["params"])
         if capturable:
             devices = {p.device for group in self.param_groups for p in group["params"]}
-            if self._sharded or len(devices) != 1 or mode == "nearest":
-                raise ValueError("AdamWSR(capturable=True) needs plain (unsharded) parameters on one CUDA device and "
-                                 "a keyed mode")
+            if (self._sharded or len(devices) != 1 or mode == "nearest"
+                    or not backends.choose(backend, "capturable", next(iter(devices))).device_keys):
+                raise ValueError("AdamWSR(capturable=True) needs plain (unsharded) parameters on one CUDA device with "
+                                 "the Triton backend (keys derived on the device) and a keyed mode")
             self._counter = StepCounter(0, next(iter(devices)))
 
+
     @property
-    def step_count(self) -> int:
-        """The key's step of the live weights (a device read when capturable)."""
-        return self._counter.value
+    def _fused_groups(self) -> list[dict]:
+        return self.param_groups
 
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self._counter.value = value
+    def _grads(self) -> list:
+        return [None if p.grad is None else (_local_shard(p.grad)[0] if self._sharded else p.grad).contiguous()
+                for _, p in self._params]
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One fused pass over every parameter with a gradient (one C++ call on CPU, one Triton
-        launch on CUDA): AdamW in FP32 from the BF16 weight, ``p <- round(p')`` in place, moments
-        kept in FP32 or rounded into BF16 with their own keys. No full-size temporaries."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan = self._ensure_plan()
-        if self._counter.capturable:
-            self._capturable_step(plan)
-            return loss
-        self.step_count += 1
-        grads: list[torch.Tensor | None] = []
-        hypers: list[AdamWHyper] = []
-        slot_of: dict[tuple[int, int], int] = {}
-        slots: list[int] = []
-        for (gi, p), state in zip(self._params, self._states):
-            if p.grad is None:
-                grads.append(None)
-                slots.append(0)
-                continue
-            state["step"] += 1
-            key = (gi, state["step"])
-            if key not in slot_of:
-                group = self.param_groups[gi]
-                slot_of[key] = len(hypers)
-                hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], key[1]))
-            slots.append(slot_of[key])
-            g = _local_shard(p.grad)[0] if self._sharded else p.grad
-            grads.append(g.contiguous())
-        plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode)
-        return loss
+    def _next_adam_step(self, i: int) -> int:
+        self._states[i]["step"] += 1
+        return self._states[i]["step"]
 
     def _ensure_plan(self) -> AdamWPlan:
         """The fused plan over every parameter's local piece and its moments, built on the first
@@ -122,6 +95,7 @@ class AdamWSR(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
         self._states = [self.state[p] for _, p in self._params]
+        self._group_of = [gi for gi, _ in self._params]
         self._plan_moments = [(st, st["exp_avg"], st["exp_avg_sq"]) for st in self._states]
         self._plan_addresses = [] if self._sharded else [p.data_ptr() for _, p in self._params]
         if self._counter.capturable:
@@ -143,15 +117,6 @@ class AdamWSR(torch.optim.Optimizer):
             pieces.append(AdamWPiece(names[id(p)], local.detach(), m, v, None, offset, rows))
         self._plan = AdamWPlan(pieces, backend=self.backend)
         return self._plan
-
-    def _capturable_step(self, plan: AdamWPlan) -> None:
-        grads = [p.grad for _, p in self._params]
-        if any(g is None for g in grads):
-            raise ValueError("AdamWSR(capturable=True) steps every parameter; some have no gradient")
-        hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in self.param_groups]
-        plan.step_([g.contiguous() for g in grads], hypers, [gi for gi, _ in self._params], seed=self.seed, step=0,
-                   mode=self.mode, device_step=self._counter.device_step(self.seed, self.mode))
-        self._counter.advance()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -180,12 +145,7 @@ class AdamWSR(torch.optim.Optimizer):
         meta = state_dict.get("dist_sr", groups[0].get("dist_sr"))
         if meta is None:
             raise ValueError("state dict has no 'dist_sr' entry: it was not written by AdamWSR")
-        for field in ("seed", "mode"):
-            if meta[field] != getattr(self, field):
-                raise ValueError(
-                    f"checkpoint was written with {field}={meta[field]!r} but this optimizer has "
-                    f"{field}={getattr(self, field)!r}; construct it with {field}={meta[field]!r} to resume"
-                )
+        check_key_state(meta, seed=self.seed, mode=self.mode)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "dist_sr"})
         self.step_count = int(meta["step"])
         for group in self.param_groups:
@@ -202,13 +162,7 @@ class AdamWSR(torch.optim.Optimizer):
         self._plan = None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
 def _local_shard(t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
-    """The tensor to update in place and its global offset: ``fsdp2.local_shard`` (a DTensor's
-    local shard; a plain tensor is its own, at offset 0), on a detached view of the storage."""
-    from ..integrations.fsdp2 import local_shard
-
+    """The tensor to update in place and its global offset (a DTensor's local shard; a plain
+    tensor is its own, at offset 0), on a detached view of the storage."""
     return local_shard(t.detach())

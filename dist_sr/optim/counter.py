@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics.backends import DeviceStep
+
 
 class StepCounter:
     """The step of the live rounding (0 before the first update).
@@ -38,8 +40,21 @@ class StepCounter:
         else:
             self._value += 1
 
-    def device_step(self, seed: int, mode: str):
+    def device_step(self, seed: int, mode: str) -> DeviceStep:
         """The ``DeviceStep`` that derives the next step's keys from this counter on the device."""
-        from ..numerics.triton_launch import DeviceStep
-
         return DeviceStep(self.tensor, seed, mode)
+
+
+class CountsSteps:
+    """``step_count``, the key's step of the live weights, kept by ``self._counter`` (a read is a
+    device synchronisation when the counter is capturable)."""
+
+    _counter: StepCounter
+
+    @property
+    def step_count(self) -> int:
+        return self._counter.value
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._counter.value = value

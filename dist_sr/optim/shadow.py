@@ -7,15 +7,15 @@ weights become ``round(shadow)`` under the rounding key (seed, step, parameter n
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
-from ..numerics import RoundingBatch, RoundingJob
-from ..numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan
-from ..numerics.key import check_mode, normalize_param_name
-from .counter import StepCounter
+from ..numerics import RoundingBatch, RoundingJob, backends
+from ..numerics.fused import AdamWPiece, AdamWPlan
+from ..numerics.key import check_key_state, check_mode, normalize_param_name
+from .counter import CountsSteps, StepCounter
+from .fused_step import FusedAdamWSteps
 from .loss_scale import DynamicLossScaler
 from .params import ParamsLike, named_param_groups
 
@@ -23,7 +23,7 @@ STATE_FORMAT = "dist-sr/shadow-optimizer/v1"
 WORKING_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class ShadowOptimizer(torch.optim.Optimizer):
+class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
     """Runs ``optimizer_cls`` on FP32 shadows and writes ``round(shadow)`` into the working params.
 
     Args:
@@ -82,20 +82,12 @@ class ShadowOptimizer(torch.optim.Optimizer):
             self._make_capturable()
         self.write_working()
 
-    @property
-    def step_count(self) -> int:
-        """The key's step of the live working weights (a device read when capturable)."""
-        return self._counter.value
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self._counter.value = value
 
     def _make_capturable(self) -> None:
         devices = {p.device for _, p, _ in self._pairs}
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: CPU tensors (tests)
-        if len(devices) != 1 or next(iter(devices)).type not in (("cuda", "cpu") if interpreted else ("cuda",)):
-            raise ValueError(f"capturable needs every parameter on one CUDA device, got {sorted(map(str, devices))}")
+        if len(devices) != 1 or not backends.choose(self.backend, "capturable", next(iter(devices))).device_keys:
+            raise ValueError(f"capturable needs every parameter on one CUDA device with the Triton backend (keys "
+                             f"derived on the device), got {sorted(map(str, devices))} and backend {self.backend!r}")
         if any(p.dtype != torch.bfloat16 for _, p, _ in self._pairs) or self.loss_scaler is not None:
             raise ValueError("capturable needs BF16 working weights and no loss scaler (an FP16 step that may be "
                              "skipped cannot replay from a CUDA graph)")
@@ -252,12 +244,7 @@ class ShadowOptimizer(torch.optim.Optimizer):
         """Restore shadows and optimizer state, then re-derive the working weights bit-identically."""
         if state_dict.get("format") != STATE_FORMAT:
             raise ValueError(f"not a ShadowOptimizer state (format {state_dict.get('format')!r}, expected {STATE_FORMAT!r})")
-        for field in ("seed", "mode"):
-            if state_dict[field] != getattr(self, field):
-                raise ValueError(
-                    f"checkpoint was written with {field}={state_dict[field]!r} but this optimizer has "
-                    f"{field}={getattr(self, field)!r}; construct it with {field}={state_dict[field]!r} to resume"
-                )
+        check_key_state(state_dict, seed=self.seed, mode=self.mode)
         shadows = state_dict["shadows"]
         ours = {normalize_param_name(n): s for n, _, s in self._pairs}
         if set(shadows) != set(ours):
@@ -281,7 +268,7 @@ class ShadowOptimizer(torch.optim.Optimizer):
         """Hook for subclasses that cache views of the optimizer state."""
 
 
-class ShadowAdamW(ShadowOptimizer):
+class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
     """FP32-shadow AdamW whose step is one fused pass over all parameters (one C++ call on CPU,
     one Triton launch on CUDA).
 
@@ -301,12 +288,11 @@ class ShadowAdamW(ShadowOptimizer):
         for name, p, _ in self._pairs:
             if p.dtype != torch.bfloat16:
                 raise TypeError(f"ShadowAdamW needs BF16 working weights; {name!r} is {p.dtype} (use ShadowOptimizer)")
-        self._grad_scale: torch.Tensor | None = None
         self._plan: AdamWPlan | None = None
         self._plan_addresses: list[int] = []
         self._adam_steps: list[int] = []  # Adam's step per parameter, mirrored from state["step"]
         group_of = {id(s): gi for gi, group in enumerate(self.inner.param_groups) for s in group["params"]}
-        self._group_index = [group_of[id(s)] for _, _, s in self._pairs]
+        self._group_of = [group_of[id(s)] for _, _, s in self._pairs]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of the working gradients (FP32, on their device); the next ``step``
@@ -355,52 +341,22 @@ class ShadowAdamW(ShadowOptimizer):
                 self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
         return self._plan
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan = self._ensure_plan()
+    @property
+    def _fused_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def _grads(self) -> list:
+        return [p.grad for _, p, _ in self._pairs]
+
+    def _next_adam_step(self, i: int) -> int:
+        self._adam_steps[i] += 1
+        return self._adam_steps[i]
+
+    def _after_step(self, grads: list) -> None:
+        """Advance torch.optim.AdamW's per-parameter step tensors (checkpoints interchange)."""
         if self._counter.capturable:
-            self._capturable_step(plan)
-            return loss
-        self.step_count += 1
-        grads = [p.grad for _, p, _ in self._pairs]
-        hypers: list[AdamWHyper] = []
-        slot_of: dict[tuple[int, int], int] = {}
-        slots, stepped = [], []
-        groups = self.inner.param_groups
-        for i, g in enumerate(grads):
-            if g is None:
-                slots.append(0)
-                continue
-            self._adam_steps[i] += 1
-            key = (self._group_index[i], self._adam_steps[i])
-            if key not in slot_of:
-                group = groups[key[0]]
-                slot_of[key] = len(hypers)
-                hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], key[1]))
-            slots.append(slot_of[key])
-            stepped.append(self.inner.state[self._pairs[i][2]]["step"])
-        plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode,
-                   grad_scale=self._grad_scale)
+            torch._foreach_add_(self._device_steps, 1.0)
+            return
+        stepped = [self.inner.state[s]["step"] for (_, _, s), g in zip(self._pairs, grads) if g is not None]
         if stepped:
             torch._foreach_add_(stepped, 1.0)
-        self._grad_scale = None
-        return loss
-
-    def _capturable_step(self, plan: AdamWPlan) -> None:
-        """Every parameter steps; the keys and Adam's constants of step ``counter + 1`` come
-        from the device counter, which the step then advances (all device work: replayable)."""
-        grads = [p.grad for _, p, _ in self._pairs]
-        missing = [n for (n, _, _), g in zip(self._pairs, grads) if g is None]
-        if missing:
-            raise ValueError(f"ShadowAdamW(capturable=True) steps every parameter; no gradient for {missing[:3]}")
-        groups = self.inner.param_groups
-        hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in groups]
-        plan.step_(grads, hypers, self._group_index, seed=self.seed, step=0, mode=self.mode,
-                   grad_scale=self._grad_scale, device_step=self._counter.device_step(self.seed, self.mode))
-        self._counter.advance()
-        torch._foreach_add_(self._device_steps, 1.0)
-        self._grad_scale = None

@@ -6,8 +6,9 @@ import random
 
 import torch
 
+from ..rollout.base import encode_prompts
+from ..rollout.sampling import sample
 from .grpo import exact_kl, sequence_logits
-from .rollout import encode_prompts, sample
 from .tasks import Example, Task
 
 

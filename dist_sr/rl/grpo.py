@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .rollout import positions
+from ..rollout.sampling import positions
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

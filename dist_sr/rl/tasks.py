@@ -31,15 +31,22 @@ class Task:
         return float(self.extract(completion) == answer)
 
 
-class ReverseDigits(Task):
-    """``"31415="`` -> ``"51413"``. ``sft_copy_fraction`` of warm-up targets are the (wrong) copy."""
+class DigitTask(Task):
+    """A generated task over numbers of up to ``num_digits`` digits."""
 
-    name = "reverse"
+    default_digits = 5
 
-    def __init__(self, num_digits: int = 5):
+    def __init__(self, num_digits: int | None = None):
+        num_digits = self.default_digits if num_digits is None else num_digits
         if num_digits < 1:
             raise ValueError("task.num_digits must be >= 1")
         self.num_digits = num_digits
+
+
+class ReverseDigits(DigitTask):
+    """``"31415="`` -> ``"51413"``. ``sft_copy_fraction`` of warm-up targets are the (wrong) copy."""
+
+    name = "reverse"
 
     def sample(self, rng: random.Random) -> Example:
         digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
@@ -49,15 +56,11 @@ class ReverseDigits(Task):
         return example.prompt.rstrip("=")
 
 
-class Addition(Task):
+class Addition(DigitTask):
     """``"123+45="`` -> ``"168"``, operands with up to ``num_digits`` digits."""
 
     name = "add"
-
-    def __init__(self, num_digits: int = 3):
-        if num_digits < 1:
-            raise ValueError("task.num_digits must be >= 1")
-        self.num_digits = num_digits
+    default_digits = 3
 
     def sample(self, rng: random.Random) -> Example:
         hi = 10**self.num_digits - 1

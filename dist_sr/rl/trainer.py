@@ -16,21 +16,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-import torch.distributed as dist
-
+from ..config import ConfigError
+from ..engines import TrainSettings, init_distributed, training_device
+from ..engines import make_engine as make_training_engine
 from ..optim import ShadowOptimizer
+from ..rollout import RolloutEngine, make_rollout_engine
 from .config import ExperimentConfig, to_dict
 from .evaluation import evaluate, fixed_examples
 from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
 from .model import load_pretrained
-from .parallel import init_distributed
-from .parallel import make_engine as make_training_engine
-from .parallel import training_device
-from .rollout import EmbeddedEngine, RolloutEngine
 from .warmup import make_task, warmup_checkpoint
+
 
 class RolloutWeightMismatch(RuntimeError):
     pass
@@ -102,6 +102,14 @@ def _all_mean(values: list[float], world: int) -> list[float]:
     return values if world == 1 else [v / world for v in _all_sum(values, world)]
 
 
+def settings(cfg: ExperimentConfig, world: int) -> TrainSettings:
+    """What the training engine is built from, for this experiment."""
+    g = cfg.grpo
+    return TrainSettings(precision=cfg.precision, distributed=cfg.distributed, lr=g.lr, betas=g.betas, eps=g.eps,
+                         weight_decay=g.weight_decay, optimizer=g.optimizer, max_grad_norm=g.max_grad_norm,
+                         batch_per_rank=g.prompts_per_step // world * g.samples_per_prompt)
+
+
 def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False, stop_at: int | None = None,
           make_engine: Callable[[Any, Any], RolloutEngine] | None = None) -> Path:
     """Run GRPO for ``cfg``; returns the metrics file.
@@ -130,19 +138,18 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
     device = training_device()
     model.to(device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # FP32 copy of the start weights
-    trainer = make_training_engine(cfg, model)
+    g = cfg.grpo
+    if g.prompts_per_step % world:
+        raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the world size "
+                          f"{world}: each rank samples an equal share")
+    trainer = make_training_engine(settings(cfg, world), model)
     if cfg.shadow_jitter:
         jitter_shadows_(trainer.precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
     start = (trainer.load(out_dir) or 0) if resume else 0
-    g = cfg.grpo
     if make_engine is not None:
         rollout = make_engine(trainer.module, tokenizer)
-    elif cfg.rollout.engine == "vllm":
-        from ..rollout.engine import VLLMFleetEngine
-
-        rollout = VLLMFleetEngine.from_config(cfg.rollout.vllm, trainer, tokenizer, device=device)
     else:
-        rollout = EmbeddedEngine(trainer.module, tokenizer, digest_fn=trainer.digest, stop_early=not sharded)
+        rollout = make_rollout_engine(cfg.rollout, trainer, tokenizer, device=device, sharded=sharded)
     own_digest = getattr(rollout, "trainer_digest", trainer.digest)  # the digest kind the engine reports
     writer = MetricsWriter(out_dir, keep_until_step=start if resume else None) if rank == 0 else None
     eval_set = fixed_examples(task, cfg.eval.num_prompts, cfg.eval.seed)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..rollout.base import encode_prompts
 from .config import ExperimentConfig
 from .evaluation import evaluate, fixed_examples
 from .grpo import sequence_logits, token_logprobs
 from .model import new_tiny
-from .rollout import encode_prompts
 from .tasks import TASKS
 
 CACHE_VERSION = "warmup-v1"

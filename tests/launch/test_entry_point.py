@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from dist_sr.launch import build_parser, plan
-from dist_sr.rl.config import ConfigError
+from dist_sr.config import ConfigError
+from dist_sr.launch.planner import build_parser, plan
 from tests.launch.conftest import REPO, free_port, write_experiment
 
 ENTRY = str(REPO / "launch" / "train.py")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dist_sr import k8s
-from dist_sr.launch import build_parser, plan
-from dist_sr.rl.config import ConfigError
+from dist_sr.config import ConfigError
+from dist_sr.launch import k8s
+from dist_sr.launch.planner import build_parser, plan
 from tests.launch.conftest import REPO
 
 kv = pytest.importorskip("kubernetes_validate")
@@ -126,7 +126,7 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
     serve = shlex.split(vc["command"][-1].split("exec ", 1)[1])
     assert serve[:2] == ["vllm", "serve"]
     assert json.loads(serve[serve.index("--weight-transfer-config") + 1]) == {"backend": "dist_sr"}
-    assert serve[serve.index("--worker-extension-cls") + 1] == "dist_sr.rollout.vllm_plugin.WorkerExtension"
+    assert serve[serve.index("--worker-extension-cls") + 1] == "dist_sr.rollout.vllm.plugin.WorkerExtension"
     assert serve[serve.index("--dtype") + 1] == "bfloat16"
     assert serve[serve.index("--port") + 1] == str(fleet.port) == str(vc["ports"][0]["containerPort"])
     assert serve[serve.index("--tensor-parallel-size") + 1] == str(fleet.tensor_parallel_size)

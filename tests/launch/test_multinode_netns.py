@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dist_sr import k8s
+from dist_sr.launch import k8s
 from tests.launch.conftest import REPO, write_experiment
 
 pytestmark = pytest.mark.slow
@@ -112,6 +112,6 @@ def test_two_namespaced_nodes_train_over_gloo_through_the_service_name(two_nodes
 
 
 def _load(exp: Path):
-    from dist_sr.launch import build_parser
+    from dist_sr.launch.planner import build_parser
 
     return k8s.load_for_cluster(build_parser().parse_args(["--config", str(exp)]))

@@ -274,7 +274,7 @@ def test_bad_row_stride_is_refused():
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     import time
 
-    from dist_sr.numerics import cpu_kernel
+    from dist_sr.numerics.backends import cpu as cpu_kernel
 
     lock = tmp_path / "lock"
     lock.write_text("")

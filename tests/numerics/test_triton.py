@@ -9,12 +9,14 @@ import torch
 
 from dist_sr import AdamWSR, ShadowAdamW, ShadowOptimizer, stochastic_round
 from dist_sr.numerics import RoundingBatch, RoundingJob, reference
-from dist_sr.numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan, adamw_reference_, moment_param
+from dist_sr.numerics.adamw import AdamWHyper, moment_param
+from dist_sr.numerics.fused import AdamWPiece, AdamWPlan
 from dist_sr.numerics.key import stream_key, stream_keys
+from dist_sr.numerics.reference import adamw_step as adamw_reference_
 from tests.conftest import bits16, f32_from_bits
 
 triton = pytest.importorskip("triton")
-from dist_sr.numerics import triton_launch as tl_  # noqa: E402
+from dist_sr.numerics.backends.triton import launch as tl_  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -338,7 +340,7 @@ def test_cuda_shadow_adamw_step_captures_in_a_cuda_graph():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["stochastic", "dither"])
 def test_keys_and_constants_derived_on_the_device_equal_the_hosts(device, mode):
-    from dist_sr.numerics.fused import _constants
+    from dist_sr.numerics.adamw import constants as _constants
 
     names = ["w", "model.layers.0.mlp.down_proj.weight", "x" * 97, "y" * 98, "z" * 99, "q" * 300, "a.b#exp_avg_sq"]
     tmpl = tl_.KeyTemplates(names, seed=1234, mode=mode, device=torch.device(device))

@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from dist_sr.rl.config import ConfigError, load_experiment
+from dist_sr.config import ConfigError
 from dist_sr.rl.compare import load_compare
+from dist_sr.rl.config import load_experiment
 from dist_sr.rl.model import load_pretrained
 
 

@@ -8,9 +8,9 @@ import torch
 
 from dist_sr import PRECISIONS
 from dist_sr.rl.model import load_pretrained
-from dist_sr.rl.rollout import EmbeddedEngine
 from dist_sr.rl.trainer import RolloutWeightMismatch, train
 from dist_sr.rl.warmup import warmup_checkpoint
+from dist_sr.rollout.embedded import EmbeddedEngine
 
 
 def metrics(path):

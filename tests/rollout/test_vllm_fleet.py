@@ -11,11 +11,14 @@ import threading
 import pytest
 import torch
 
-from dist_sr.rollout.fleet import NoReadyEngineError, WeightSync
-from dist_sr.rollout.plan import combine, tensor_sums
-from dist_sr.rollout.sources import ReplicatedSource
+from dist_sr.engines import make_engine
+from dist_sr.numerics.digest import combine, tensor_sums
+from dist_sr.rollout.vllm.control import VLLMControl, controls
+from dist_sr.sources import ReplicatedSource
+from dist_sr.weightsync.control import NoReadyEngineError
+from dist_sr.weightsync.sync import WeightSync
 from tests.dist_utils import run_workers
-from dist_sr.rollout.local_engine import EngineProcess, complete, free_port, save_tiny_model, vllm_missing
+from tests.vllm_engines import EngineProcess, complete, free_port, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 2, 3, 4, 5, 10], [9, 8, 7, 10], [0, 0, 1, 10], [3, 1, 4, 1, 5, 9, 2, 10]]
@@ -53,7 +56,7 @@ def _trainer_model(model_dir, seed):
 def _sync(model, urls, **kw):
     kw.setdefault("bucket_mb", 0.25)
     kw.setdefault("timeout_s", 30)
-    return WeightSync(ReplicatedSource(model), urls, group_port=free_port(), **kw)
+    return WeightSync(ReplicatedSource(model), controls(urls, kw["timeout_s"]), group_port=free_port(), **kw)
 
 
 def test_synced_engines_generate_exactly_like_a_fresh_load_of_the_same_weights(fleet, tmp_path):
@@ -150,8 +153,7 @@ def _distributed_sync_worker(rank, world, data):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from dist_sr.rl.config import load_experiment
     from dist_sr.rl.model import load_pretrained
-    from dist_sr.rl.parallel import make_engine
-    from dist_sr.rollout.sources import source_for
+    from dist_sr.rl.trainer import settings
 
     engine_kind, zero_stage = data["engine"], 3
     cfg = load_experiment({"distributed": {"engine": engine_kind, "zero_stage": zero_stage,
@@ -159,14 +161,14 @@ def _distributed_sync_worker(rank, world, data):
                            "precision": {"precision": "bf16-sr", "seed": 77},
                            "grpo": {"prompts_per_step": 2, "samples_per_prompt": 2, "lr": 1e-3}})
     model, _ = load_pretrained(data["model_dir"])
-    trainer = make_engine(cfg, model)
+    trainer = make_engine(settings(cfg, world), model)
     ids = torch.tensor([[1, 2, 3, 4, 5, 10]])
     trainer.backward(trainer.module(input_ids=ids).logits.float().square().mean())
     trainer.step()  # new SR'd working weights, different from the checkpoint's
     results = {}
     for transport, version in (("broadcast", 10), ("shard-direct", 11)):
-        ws = WeightSync(source_for(trainer), data["urls"], transport=transport, bucket_mb=0.25, timeout_s=60,
-                        group_port=data["ports"][transport])
+        ws = WeightSync(trainer.weight_source(), controls(data["urls"], 60), transport=transport, bucket_mb=0.25,
+                        timeout_s=60, group_port=data["ports"][transport])
         r = ws.sync(version)
         results[transport] = {"digest": r.digest, "ready": r.ready, "bytes": r.bytes_sent}
     sent = torch.tensor([results["shard-direct"]["bytes"]])
@@ -174,7 +176,7 @@ def _distributed_sync_worker(rank, world, data):
     results["shard-direct"]["bytes_all_ranks"] = int(sent)
     # the reference: every full working weight, gathered the slow way
     if engine_kind == "fsdp2":
-        from dist_sr.integrations import fsdp2
+        from dist_sr.engines import fsdp2
         from dist_sr.numerics import stochastic_round
 
         full = {n: stochastic_round(m, seed=trainer.ctx.seed, step=trainer.ctx.step, param=n, mode=trainer.ctx.mode)
@@ -215,7 +217,7 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
     ws.sync(20)
     from transformers import AutoTokenizer
 
-    from dist_sr.rollout.snapshot import write_snapshot
+    from dist_sr.weightsync.snapshot import write_snapshot
 
     write_snapshot(ws.source, tmp_path / "snapshots", 20, config=model.config,
                    tokenizer=AutoTokenizer.from_pretrained(model_dir))
@@ -237,7 +239,7 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
     restarted = EngineProcess(tmp_path / "snapshots" / "current", tp=1, log_dir=tmp_path, name="b-restarted")
     engines["b"] = restarted
     restarted.wait_ready()
-    ws.engines[1].url = restarted.url
+    ws.engines[1].control = VLLMControl(restarted.url, 30)
     assert ws.engines[1].state != "ready"  # nothing routes rollouts to it before a verified sync
     result = ws.sync(22)
     assert sorted(result.ready) == sorted([a.url, restarted.url])
@@ -263,6 +265,6 @@ def test_a_hung_engine_times_out_with_a_clear_error_and_the_fleet_goes_on(fleet)
         assert any(a.url in p for p in result.problems), result.problems
         assert ws.engines[0].state == "down" and a.url in ws.engines[0].reason
         with pytest.raises(NoReadyEngineError, match=a.url):
-            WeightSync(ReplicatedSource(model), [a.url], group_port=free_port(), timeout_s=3).sync(32)
+            WeightSync(ReplicatedSource(model), controls([a.url], 3), group_port=free_port(), timeout_s=3).sync(32)
     finally:
         a.signal(signal.SIGCONT)

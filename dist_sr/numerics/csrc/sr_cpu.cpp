@@ -431,7 +431,7 @@ void adamw_many(std::vector<at::Tensor> ps, std::vector<at::Tensor> ms, std::vec
   }
 }
 
-// ---- layout-free digest contribution (dist_sr.rollout.plan.piece_sum) --------------------------
+// ---- layout-free digest contribution (dist_sr.numerics.digest.piece_sum) --------------------------
 // sum mod 2^64 over j of mix2(((start + j) * GAMMA + v_j * MIX2)), where v_j is element j's bits
 // read as a signed integer of the element's width (unsigned for 1-byte elements) and widened to
 // 64 bits, and mix2(z) = z' ^ (z' >> 32) with z' = (z ^ (z >> 29)) * MIX1. Addition mod 2^64 is

@@ -1,0 +1,112 @@
+"""DeepSpeed JSON configs and the precision switch: the ``"stochastic_rounding"`` block, and
+the mapping between a DeepSpeed config and a ``PrecisionConfig``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...config import from_dict as load_section
+from ...numerics.key import check_mode
+from ...precision import PRECISION_REGISTRY, PrecisionConfig, PrecisionConfigError
+
+CONFIG_KEY = "stochastic_rounding"
+
+
+@dataclass(frozen=True)
+class SRConfig:
+    enabled: bool = True
+    seed: int = 0
+    mode: str = "stochastic"
+
+    def __post_init__(self):
+        try:
+            check_mode(self.mode)
+        except ValueError as exc:
+            raise ValueError(f"mode: {exc}") from None
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SRConfig":
+        return load_section(cls, data, CONFIG_KEY)
+
+
+def split_config(config: dict | str | Path) -> tuple[dict, SRConfig | None]:
+    """DeepSpeed config without our block, and the block (None if absent or disabled)."""
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    config = copy.deepcopy(config)
+    block = config.pop(CONFIG_KEY, None)
+    if block is None:
+        return config, None
+    sr = SRConfig.from_dict(block)
+    return config, (sr if sr.enabled else None)
+
+
+
+def precision_of_config(config: dict | str | Path) -> dict:
+    """The precision switch a DeepSpeed config expresses: ``{"precision": ..., "seed": ...}``.
+
+    ``fp16.enabled`` -> fp16; ``bf16.enabled`` -> bf16, or bf16-sr / bf16-dither with an enabled
+    ``stochastic_rounding`` block (its seed included); neither -> fp32. An SR block without bf16
+    is refused: SR rounds to BF16 working weights.
+    """
+    config, sr = split_config(config)
+    fp16 = bool(config.get("fp16", {}).get("enabled", False))
+    bf16 = bool(config.get("bf16", config.get("bfloat16", {})).get("enabled", False))
+    if fp16 and bf16:
+        raise ValueError("the DeepSpeed config enables both fp16 and bf16; enable one")
+    if sr is not None and not bf16:
+        raise ValueError(f'the DeepSpeed config has an enabled "{CONFIG_KEY}" block but not "bf16": '
+                         '{"enabled": true}; SR rounds FP32 masters to BF16 working weights (FP16 SR is not '
+                         "supported), so enable bf16 or drop the block")
+    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+    rounding = None if dtype is torch.float32 else sr.mode if sr is not None else "nearest"
+    for p in PRECISION_REGISTRY.values():  # the precision with FP32 shadows this config describes
+        if p.working_dtype is dtype and p.rounding == rounding and not p.pure:
+            return {"precision": p.name, **({"seed": sr.seed} if p.keyed else {})}
+    raise ValueError(f"no registered precision keeps {dtype} working weights with {rounding} rounding")
+
+
+def config_for_precision(precision, base: dict | str | Path) -> dict:
+    """A DeepSpeed config whose ``bf16``/``fp16`` sections and SR block follow the precision switch.
+
+    ``precision`` is a ``PrecisionConfig`` (or its string / mapping form); ``base`` is the rest of
+    the DeepSpeed config (dict or JSON path). fp32 -> neither; fp16 -> ``fp16`` with dynamic loss
+    scaling; bf16 -> ``bf16`` with round-to-nearest; bf16-sr / bf16-dither -> ``bf16`` plus the SR
+    block. bf16-pure-sr has no FP32 master, which DeepSpeed always keeps: refused.
+    """
+    if not isinstance(precision, PrecisionConfig):
+        precision = PrecisionConfig.from_dict(precision)
+    config, _ = split_config(base)
+    config.pop("bf16", None)
+    config.pop("fp16", None)
+    spec = precision.spec
+    if spec.pure:
+        raise PrecisionConfigError(f"precision {spec.name} keeps no FP32 master, but DeepSpeed ZeRO always does; "
+                                   "use bf16-sr with DeepSpeed (or the single-process AdamWSR)")
+    if spec.loss_scaling:
+        dynamic = precision.loss_scale == "dynamic"
+        config["fp16"] = {"enabled": True, "loss_scale": 0 if dynamic else float(precision.loss_scale),
+                          "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
+                          "loss_scale_window": precision.loss_scale_window}
+    elif spec.working_dtype is torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+        if spec.keyed:
+            config[CONFIG_KEY] = {"enabled": True, "seed": precision.seed, "mode": precision.rounding}
+    return config
+
+
+def load_ds_config(config) -> dict:
+    """A config path (JSON, or HJSON as DeepSpeed accepts) or base64 string, read as DeepSpeed reads it."""
+    try:
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    except ImportError:  # pragma: no cover - other DeepSpeed versions are refused before use anyway
+        return json.loads(Path(config).read_text())
+    return copy.deepcopy(load_ds_config(str(config)))

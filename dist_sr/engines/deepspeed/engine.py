@@ -1,0 +1,92 @@
+"""DeepSpeed ZeRO as a training engine: the precision switch sets its bf16/fp16 sections and the
+SR block, and the hook (``hook``) rounds where DeepSpeed copies its masters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ...optim import StickingMeter, optimizer_class
+from ...sources import ReplicatedSource, WeightSource, layout_free_digest
+from ..base import TrainSettings
+from ..checkpoints import prune_checkpoints
+from .config import config_for_precision
+from .hook import initialize
+from .source import ZeRO3Source
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO; the precision switch sets its bf16/fp16 sections and the SR block."""
+
+    needs_process_group = True
+
+    def __init__(self, settings: TrainSettings, model):
+        d = settings.distributed
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        base = json.loads(Path(d.deepspeed_config).read_text()) if d.deepspeed_config else {
+            "zero_optimization": {"stage": d.zero_stage}, "steps_per_print": 10**9}
+        base.update({
+            "train_micro_batch_size_per_gpu": settings.batch_per_rank,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": settings.max_grad_norm,
+        })
+        base.pop("train_batch_size", None)
+        client_optimizer = None
+        if settings.optimizer == "adamw":  # DeepSpeed's own AdamW on its FP32 partitions
+            base["optimizer"] = {"type": "AdamW", "params": {"lr": settings.lr, "betas": list(settings.betas),
+                                                             "eps": settings.eps, "weight_decay": settings.weight_decay,
+                                                             "torch_adam": True}}
+        else:  # any other registered torch optimizer, which ZeRO wraps
+            base.pop("optimizer", None)
+            client_optimizer = optimizer_class(settings.optimizer)(model.parameters(), **settings.hyper)
+        config = config_for_precision(settings.precision, base)
+        self.engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config,
+                                     optimizer=client_optimizer)
+        self.module = self.engine.module
+        self.zero3 = self.engine.zero_optimization_stage() == 3
+        self.meter = None if self.zero3 else StickingMeter([(n, p) for n, p in self.module.named_parameters()])
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self) -> tuple[float, bool]:
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan"), self.engine.skipped_steps == skipped
+
+    def digest(self) -> str:
+        """Layout-free digest of the BF16 working weights (each rank sums what it holds: a slice
+        of the replicas, or its ZeRO-3 partitions; nothing is gathered); collective."""
+        return layout_free_digest(self.weight_source(), self.world)
+
+    def weight_source(self) -> WeightSource:
+        if self.zero3:
+            return ZeRO3Source(self.module, self.rank, self.world)
+        return ReplicatedSource(self.module, self.rank, self.world)
+
+    def save(self, path: Path, step: int) -> None:
+        """DeepSpeed's own checkpoint (it writes ``latest`` only after the tag is complete) plus
+        the working weights' digest; tags beyond the newest ``KEEP_CHECKPOINTS`` are removed."""
+        digest = self.digest()
+        root = path / "deepspeed"
+        self.engine.save_checkpoint(str(root), tag=f"step{step}",
+                                    client_state={"dist_sr_step": step, "dist_sr_digest": digest})
+        dist.barrier()
+        if self.rank == 0:
+            prune_checkpoints(root)
+        dist.barrier()
+
+    def load(self, path: Path) -> int | None:
+        if not (path / "deepspeed" / "latest").exists():
+            return None
+        tag, client = self.engine.load_checkpoint(str(path / "deepspeed"))  # the tag DeepSpeed's 'latest' names
+        if self.meter is not None:
+            self.meter.sync_previous()
+        digest = self.digest()
+        if "dist_sr_digest" in client and digest != client["dist_sr_digest"]:
+            raise RuntimeError(f"{tag}: working weights after loading have digest {digest}, the checkpoint recorded "
+                               f"{client['dist_sr_digest']}")
+        return int(client["dist_sr_step"])

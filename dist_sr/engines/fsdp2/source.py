@@ -1,0 +1,81 @@
+"""The working weights of an FSDP2-sharded model as a ``WeightSource``."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ...numerics import stochastic_round
+from ...numerics.digest import dtype_name
+from ...numerics.key import normalize_param_name
+from ...numerics.shards import local_shard, replica_slot, split_range
+from ...sources import LocalPiece, Meta
+from .hook import plain
+
+
+class FSDP2Source:
+    """FSDP2 with keyed SR: the working weights exist only inside forward, as the all-gather of
+    SR'd shards; this source rounds each local FP32 shard with its global offsets (the bits the
+    all-gather sends), so shard-direct needs no gather at all. Without SR (``ctx`` None) the local
+    shards are cast to BF16 for the engines, or taken as they are with ``as_bf16=False`` (the
+    trainer's own digest: FP32 masters, or the BF16 parameters of bf16-pure-sr)."""
+
+    def __init__(self, module: torch.nn.Module, ctx, rank: int, world: int, as_bf16: bool = True):
+        self.module = module
+        self.ctx, self.rank, self.world, self.as_bf16 = ctx, rank, world, as_bf16
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The sharded parameters. A forward without backward leaves FSDP2's root (which does not
+        reshard after forward) holding unsharded BF16 parameters: reshard first (a no-op when
+        sharded), so the source always reads the FP32 shards."""
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return {normalize_param_name(n): p for n, p in self.module.named_parameters()}
+
+    def metadata(self) -> list[Meta]:
+        keep = self.ctx is None and not self.as_bf16
+        return [(n, dtype_name(p.dtype) if keep else "bfloat16", tuple(p.shape)) for n, p in self.params.items()]
+
+    def _rounded_local(self, name: str, params: dict, part: tuple[int, int] = (0, 1)) -> tuple[int, torch.Tensor]:
+        """``(global offset, bits)`` of this rank's shard of ``name``, or of part ``i`` of ``n``
+        equal parts of it (``part=(i, n)``)."""
+        p = params[name]
+        local, offset, rows = local_shard(p)
+        if rows is not None:
+            raise NotImplementedError(f"{name}: FSDP2 shards on a non-leading dim are not contiguous in the full "
+                                      "tensor; shard-direct needs dim-0 shards (FSDP2's default)")
+        local = plain(local).detach().contiguous()
+        if part != (0, 1):
+            lo, hi = split_range(local.numel(), part[1], part[0])
+            local, offset = local.view(-1)[lo:hi], offset + lo
+        if self.ctx is None:
+            return offset, local.to(torch.bfloat16) if self.as_bf16 else local
+        return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
+                                        mode=self.ctx.mode)
+
+    def local_pieces(self, names):
+        """This rank's shard of each tensor, rounded one at a time as the caller iterates (a
+        generator: only one rounded copy is alive at once). Under HSDP the ranks holding the same
+        shard (one per replica group) each take an equal part of it, so every element is sent (and
+        summed) once and every group's links carry a share."""
+        params = self.params
+        for n in names:
+            offset, bits = self._rounded_local(n, params, replica_slot(params[n]))
+            yield LocalPiece(n, offset, offset + bits.numel(), bits.reshape(-1))
+
+    def gather(self, names):
+        out, params = {}, self.params
+        for n in names:
+            p = params[n]
+            _, bits = self._rounded_local(n, params)
+            if isinstance(p, DTensor):
+                full = DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements,
+                                          shape=p.shape, stride=p.stride()).full_tensor()
+            else:
+                full = bits
+            if self.rank == 0:
+                out[n] = full
+        return out

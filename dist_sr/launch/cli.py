@@ -1,0 +1,82 @@
+"""``dist-sr``: train, compare, inspect rounding keys.
+
+    dist-sr compare [CONFIG]             precision comparison (embedded default without CONFIG)
+    dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG); the options
+                                         and checks of launch/train.py, which torchrun/deepspeed start
+    dist-sr key NAME --seed S --step T   print a parameter's stream key
+    dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
+    dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import dist_sr_deepspeed_hook
+
+from ..config import ConfigError, parse_overrides
+from ..numerics.key import normalize_param_name, stream_key
+from ..rl.compare import load_compare, run_comparison, write_report
+from . import k8s, planner
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dist-sr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p_train = sub.add_parser("train", help="one GRPO run (the options of launch/train.py)")
+    p_train.add_argument("config_file", nargs="?", metavar="CONFIG",
+                         help="experiment YAML (default: the embedded quickstart); same as --config")
+    planner.add_arguments(p_train)
+
+    p_cmp = sub.add_parser("compare", help="every precision x seeds, then report.md + figure.png")
+    p_cmp.add_argument("config", nargs="?", help="comparison YAML (default: the embedded quickstart comparison)")
+    p_cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a top-level field, e.g. --set 'seeds=[0]' --set parallel=1")
+    p_cmp.add_argument("--report-only", action="store_true", help="rewrite the report from finished runs")
+    p_cmp.add_argument("--no-progress", action="store_true")
+
+    p_key = sub.add_parser("key", help="print the stream key of a parameter")
+    p_key.add_argument("name")
+    p_key.add_argument("--seed", type=int, required=True)
+    p_key.add_argument("--step", type=int, default=0)
+    p_key.add_argument("--mode", default="stochastic", choices=["stochastic", "dither"])
+
+    p_k8s = sub.add_parser("k8s", help="render Kubernetes manifests from an experiment config", add_help=False)
+    p_k8s.add_argument("args", nargs=argparse.REMAINDER)
+
+    p_hook = sub.add_parser("deepspeed-hook", help="install|uninstall|status of the deepspeed.initialize hook",
+                            add_help=False)
+    p_hook.add_argument("args", nargs=argparse.REMAINDER)
+
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["deepspeed-hook"]:
+        return dist_sr_deepspeed_hook.main(argv[1:])
+    if argv[:1] == ["k8s"]:
+        return k8s.main(argv[1:])
+    args = ap.parse_args(argv)
+    if args.command == "train":
+        if args.config_file and args.config and args.config_file != args.config:
+            print("dist-sr train: give the config once (positionally or with --config)", file=sys.stderr)
+            return 2
+        args.config = args.config or args.config_file
+        return planner.run(args, prog="dist-sr train")
+    try:
+        if args.command == "compare":
+            cfg = load_compare(args.config, parse_overrides(args.set))
+            report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
+            print(report.read_text())
+            print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")
+        elif args.command == "key":
+            key = stream_key(seed=args.seed, step=args.step, param=args.name, mode=args.mode)
+            print(f"{normalize_param_name(args.name)} {key:016x}")
+    except ConfigError as exc:
+        print(f"dist-sr: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The training entry point behind ``launch/train.py`` and ``dist-sr train``: one planner.
+
+One script for every way a job starts::
+
+    python launch/train.py --config configs/quickstart.yaml                       # one process
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --master-addr HOST \\
+        launch/train.py --config configs/grpo-fsdp2.yaml                          # torchrun
+    deepspeed --num_gpus 8 launch/train.py --config configs/grpo-deepspeed-zero2.yaml \\
+        --deepspeed_config configs/deepspeed/zero2-bf16-sr.json                  # deepspeed
+    deepspeed --hostfile hosts launch/train.py ...                                # several nodes
+
+The launchers describe the process group in the environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); the deepspeed launcher also passes
+``--local_rank``. The entry point checks the config against that world before any process group
+exists, so a bad combination fails on every rank with the same message; then it joins the group
+(nccl with CUDA, gloo without) and runs the GRPO trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from ..config import ConfigError, parse_overrides
+from ..engines import engine_names, init_distributed
+from ..engines.deepspeed.config import precision_of_config
+from ..engines.fsdp2.config import FSDP2Config
+from ..net import free_port
+from ..rl.config import ExperimentConfig, load_experiment
+from ..rl.trainer import train
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def build_parser(prog: str = "launch/train.py") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog, description="GRPO training with dist-sr under deepspeed, torchrun or one process.")
+    add_arguments(ap)
+    return ap
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The entry point's options (``dist-sr train`` takes the same, plus the config positionally)."""
+    ap.add_argument("--config", help="experiment YAML (default: the embedded quickstart run)")
+    ap.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", metavar="JSON",
+                    help="DeepSpeed JSON (may hold a stochastic_rounding block); implies --engine deepspeed")
+    ap.add_argument("--engine", choices=engine_names(),
+                    help="training engine (default: the config's distributed.engine)")
+    ap.add_argument("--backend", choices=BACKENDS, default="auto",
+                    help="process-group backend: auto = nccl with CUDA, gloo without")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set grpo.lr=1e-5 --set precision=bf16-sr")
+    ap.add_argument("--output-dir", help="run directory (overrides output_dir)")
+    ap.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="check config and world, print the plan, exit")
+    ap.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                    help="set by the deepspeed launcher; LOCAL_RANK in the environment takes precedence")
+
+
+@dataclass
+class Plan:
+    config: ExperimentConfig
+    engine: str
+    backend: str
+    world: int
+    rank: int
+    local_rank: int
+    launched: bool           # a launcher set WORLD_SIZE
+
+    def describe(self) -> str:
+        return (f"engine={self.engine} backend={self.backend} world={self.world} rank={self.rank} "
+                f"local_rank={self.local_rank} precision={self.config.precision.precision} "
+                f"rollout={self.config.rollout.engine} output_dir={self.config.output_dir}")
+
+
+def _int_env(env: dict, name: str) -> int | None:
+    if name not in env:
+        return None
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def config_source(args: argparse.Namespace) -> str | dict:
+    """What ``load_experiment`` reads for ``--config``: the file (which must exist) or, without
+    one, the embedded default."""
+    if args.config and not Path(args.config).is_file():
+        raise ConfigError(f"--config {args.config}: no such file")
+    return args.config or {}
+
+
+def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = None) -> Plan:
+    """Resolve config + command line + launcher environment into what this process will run."""
+    env = dict(os.environ if env is None else env)
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    source = config_source(args)
+    overrides = parse_overrides(args.set)
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    if args.deepspeed_config:
+        ds_path = Path(args.deepspeed_config)
+        if not ds_path.is_file():
+            raise ConfigError(f"--deepspeed_config {ds_path}: no such file")
+        try:
+            json.loads(ds_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--deepspeed_config {ds_path}: not valid JSON ({exc})") from None
+        overrides["distributed.deepspeed_config"] = str(ds_path)
+    cfg = load_experiment(source, overrides)
+
+    engine = args.engine or cfg.distributed.engine
+    if args.deepspeed_config:
+        if args.engine not in (None, "deepspeed") or (args.engine is None and cfg.distributed.engine == "fsdp2"):
+            raise ConfigError(f"--deepspeed_config was given but the engine is {engine!r}: a DeepSpeed JSON "
+                              "only drives distributed.engine=deepspeed (drop it, or use --engine deepspeed)")
+        engine = "deepspeed"
+    if engine != cfg.distributed.engine:
+        overrides["distributed.engine"] = engine
+        cfg = load_experiment(source, overrides)
+    if engine == "deepspeed" and cfg.distributed.deepspeed_config:
+        cfg = _agree_on_precision(args, cfg, overrides)
+
+    world = _int_env(env, "WORLD_SIZE")
+    launched = world is not None
+    world = world or 1
+    rank = _int_env(env, "RANK") or 0
+    local_rank = _int_env(env, "LOCAL_RANK")
+    if local_rank is None:
+        local_rank = args.local_rank if args.local_rank is not None else 0
+    if engine == "single" and world > 1:
+        raise ConfigError(f"the launcher started {world} processes but the engine is 'single', which would train "
+                          f"{world} independent copies; set distributed.engine (deepspeed or fsdp2) or "
+                          "pass --engine")
+    if engine == "fsdp2":
+        try:
+            FSDP2Config.from_dict(cfg.distributed.fsdp2).check_world(world)
+        except ValueError as exc:
+            raise ConfigError(f"distributed.{exc}") from None
+    g = cfg.grpo
+    if g.prompts_per_step % world:
+        raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "
+                          f"use a multiple of {world} (each rank samples prompts_per_step / world prompts)")
+    if cfg.eval.num_prompts < world:
+        raise ConfigError(f"eval.num_prompts={cfg.eval.num_prompts} is smaller than world size {world}")
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ConfigError("--backend nccl needs CUDA, and this process sees no GPU; use --backend gloo (or auto)")
+    return Plan(cfg, engine, backend, world, rank, local_rank, launched)
+
+
+def _agree_on_precision(args, cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
+    """The DeepSpeed JSON and the experiment must not disagree about precision: a YAML without a
+    ``precision`` section adopts the JSON's (so an existing DeepSpeed config turns SR on by itself);
+    one with a section must match it."""
+    path = cfg.distributed.deepspeed_config
+    try:
+        ds = precision_of_config(path)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    raw = yaml.safe_load(Path(args.config).read_text()) or {} if args.config else {}
+    explicit = "precision" in raw or any(k == "precision" or k.startswith("precision.") for k in overrides)
+    if not explicit:
+        return load_experiment(args.config or {}, {**overrides, "precision": ds})
+    mine = cfg.precision
+    if mine.precision != ds["precision"] or ("seed" in ds and ds["seed"] != mine.seed):
+        theirs = ds["precision"] + (f" (seed {ds['seed']})" if "seed" in ds else "")
+        raise ConfigError(f"precision {mine.precision} (seed {mine.seed}) in the experiment config contradicts "
+                          f"{path}, which says {theirs}; make them agree, or drop the experiment's precision "
+                          "section to take the DeepSpeed config's")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace, prog: str = "launch/train.py") -> int:
+    """Plan, then train on this process's share of the world (every entry point ends here)."""
+    try:
+        p = plan(args)
+    except ConfigError as exc:
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        return 2
+    if p.rank == 0 or args.dry_run:
+        print(f"dist-sr launch: {p.describe()}", flush=True)
+    if args.dry_run:
+        return 0
+    os.environ["LOCAL_RANK"] = str(p.local_rank)  # DeepSpeed reads it from the environment
+    if p.engine != "single" and not p.launched:
+        # A plain process running a distributed engine: a world of one on loopback.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    try:
+        init_distributed(p.engine, p.backend)
+        path = train(p.config, progress=not args.no_progress, resume=args.resume)
+    except ConfigError as exc:
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if p.rank == 0:
+        print(f"metrics: {path}")
+    return 0

@@ -1,0 +1,89 @@
+"""The Triton backend for CUDA tensors (and, under ``TRITON_INTERPRET=1``, CPU tensors in Triton's
+interpreter, which is how it is tested without a GPU). ``kernels`` and ``keys`` are the device
+code, ``launch`` the host side; Triton is imported only when something is launched."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ...adamw import constants
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonBackend:
+    """Rounds CUDA tensors with Triton kernels: every piece of a call in one launch."""
+
+    name, device_keys, auto_devices = "triton", True, ("cuda",)  # see numerics.backends.Backend
+
+    def unavailable(self) -> str | None:
+        try:
+            import triton  # noqa: F401  (availability probe)
+        except ImportError as exc:
+            return f"triton is not installed ({exc})"
+        return None
+
+    def refuses(self, device: torch.device) -> str | None:
+        if device.type == "cuda" or interpreting():
+            return None
+        return f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run them on the CPU"
+
+    def round_one(self, x, out, key, offset, rows) -> None:
+        from . import launch
+
+        launch.round_one(x, out, key, offset, rows)
+
+    def round_batch(self, batch, idx, keys, device_step=None) -> None:
+        from . import launch
+
+        flat = []
+        for i in idx:
+            if batch.rows[i] is not None and keys is not None:
+                launch.round_one(batch.xs[i], batch.outs[i], int(keys[i]), batch.offsets[i], batch.rows[i])
+            else:
+                flat.append(i)
+        if not flat:
+            return
+        cached = batch.launches.get(("triton", tuple(flat)))
+        if cached is None:
+            cached = launch.SRLaunch([batch.xs[i] for i in flat], [batch.outs[i] for i in flat],
+                                     [batch.offsets[i] for i in flat])
+            batch.launches[("triton", tuple(flat))] = cached
+        if device_step is not None:
+            cached(None, device_step, [batch.names[i] for i in flat])
+        else:
+            cached(None if keys is None else keys[flat])
+
+    def adamw_step(self, plan, idx, grads, hypers, slots, keys, grad_scale, device_step=None) -> None:
+        from . import launch
+
+        for (pure, moment_bf16, scale), sel in plan.groups(idx, hypers, slots, grad_scale).items():
+            cached = plan.launches.get((pure, tuple(sel)))
+            if cached is None:
+                flat = [plan.flat[i] for i in sel]
+                names = [[plan.names[i] for i in sel]] + [[row[i] for i in sel] for row in plan.moment_names]
+                cached = launch.AdamWLaunch([f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat],
+                                            None if pure else [f[3] for f in flat],
+                                            [plan.pieces[i].offset for i in sel], pure=pure, moment_bf16=moment_bf16,
+                                            names=names)
+                plan.launches[(pure, tuple(sel))] = cached
+            used = list(dict.fromkeys(slots[i] for i in sel))
+            row = {s: k for k, s in enumerate(used)}
+            device = plan.pieces[sel[0]].p.device
+            scale_t = grad_scale.reshape(1) if scale is None else launch.scale_tensor(scale, device)
+            if device_step is not None:
+                hyper = np.asarray([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in (hypers[s] for s in used)],
+                                   dtype=np.float64)
+                cached([grads[i] for i in sel], None, [row[slots[i]] for i in sel], None, scale_t,
+                       device_step=device_step, hyper=hyper)
+                continue
+            cached([grads[i] for i in sel], None if keys is None else keys[:, sel], [row[slots[i]] for i in sel],
+                   np.asarray([constants(hypers[s]) for s in used], dtype=np.float32), scale_t)
+
+
+BACKEND = TritonBackend()

@@ -1,0 +1,457 @@
+"""Host side of the Triton kernels: launches whose host work grows with the number of tensors,
+never with the number of elements, and that never wait on the GPU.
+
+- One tensor: the pointers, length, offset and key are kernel arguments; nothing is uploaded.
+- Many tensors: an int64 table (pointers, lengths, offsets; ``TensorTable``) is built once per
+  tensor set and cached on the device; each call uploads only what changes per step (keys,
+  gradient addresses, AdamW constants) in one non-blocking copy from pinned memory, then makes
+  one launch per kernel variant (normally one).
+
+Nothing here reads a device value back (no ``.item()``, no ``.tolist()``, no pageable copies),
+so a step runs under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA
+graph. Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors (the tests' mode here).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ...key import STEP_BYTE, key_message
+from .. import DeviceStep
+from . import interpreting
+from . import kernels as tk
+from . import keys as triton_keys
+
+# Launch shapes (elements per program, warps per program). The bits never depend on them;
+# DIST_SR_TRITON_{SR,ADAMW}_{BLOCK,WARPS} override them (bench/triton_tune.py measures the choices).
+SR_BLOCK = int(os.environ.get("DIST_SR_TRITON_SR_BLOCK", 4096))
+SR_WARPS = int(os.environ.get("DIST_SR_TRITON_SR_WARPS", 8))
+ADAMW_BLOCK = int(os.environ.get("DIST_SR_TRITON_ADAMW_BLOCK", 2048))
+ADAMW_WARPS = int(os.environ.get("DIST_SR_TRITON_ADAMW_WARPS", 8))
+ALIGN_BYTES = 16
+_CACHE_SIZE = 256
+
+
+def check_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    device = tensors[0].device
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run them on the CPU")
+    for t in tensors:
+        if t.device != device or not t.is_contiguous():
+            raise ValueError("Triton kernels need contiguous tensors on one device")
+    return device
+
+
+# Bits must not depend on the compiler contracting a * b + c into one rounding (no FMA), so every
+# launch that does floating-point arithmetic passes these options.
+FP_OPTIONS = {"enable_fp_fusion": False}
+
+
+def _fp_options() -> dict:
+    return {} if interpreting() else FP_OPTIONS
+
+
+class Launcher:
+    """Launches a Triton kernel with little host work per call.
+
+    Triton's JIT binds and specializes every argument on every call (tens of microseconds, which
+    is most of a small rounding's cost). Here the first call of each specialization goes through
+    the JIT (it compiles, caches and launches); later calls launch that compiled kernel directly.
+    The specialization is Triton's own rule for these arguments: each pointer's 16-byte alignment
+    and each integer's width (every integer parameter is ``do_not_specialize``). Under the
+    interpreter, or if this Triton's launch interface is not the one expected, the JIT path is used.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = list(fn.arg_names)
+        self.compiled: dict = {}
+        self.direct = True
+
+    def __call__(self, grid: int, *args, num_warps: int = 4, **kw) -> None:
+        if interpreting() or not self.direct:
+            self.fn[(grid,)](*args, num_warps=num_warps, **kw)
+            return
+        spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
+                     for a in args)
+        key = (spec, num_warps, tuple(sorted(kw.items())))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            self.compiled[key] = self.fn[(grid,)](*args, num_warps=num_warps, **kw)
+            return
+        it = iter(args)
+        full = [kw[n] if n in kw else next(it) for n in self.names]
+        try:
+            stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+            kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+        except Exception as exc:  # another Triton's launcher interface: the JIT path from now on
+            import warnings
+
+            warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning)
+            self.direct = False
+            self.fn[(grid,)](*args, num_warps=num_warps, **kw)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(fn) -> Launcher:
+    la = _LAUNCHERS.get(fn)
+    if la is None:
+        la = _LAUNCHERS[fn] = Launcher(fn)
+    return la
+
+
+@dataclass(frozen=True)
+class TensorTable:
+    """A multi-tensor launch's fixed part, on the device: ``meta`` (int64, fields x tensors),
+    ``bmap`` (each program's tensor and block, expanded on the device from O(T) block counts)
+    and the grid."""
+
+    meta: torch.Tensor
+    bmap: torch.Tensor
+    count: int
+    grid: int
+
+
+def table_arrays(fields: Sequence[Sequence[int]], ns: Sequence[int], g0s: Sequence[int], block: int,
+                 aligned: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The host arrays of a ``TensorTable``: ``meta`` (len(fields) x T, int64) and ``starts``.
+
+    Their sizes depend on the number of tensors only: a tensor of ``n`` elements is one entry
+    whatever ``n`` is (its block count is a number in ``starts``, not a row per block)."""
+    meta = np.asarray(fields, dtype=np.int64).reshape(len(fields), len(ns))
+    shift = 0 if aligned else np.asarray(g0s, dtype=np.int64) % 4
+    blocks = -(-(np.asarray(ns, dtype=np.int64) + shift) // block)
+    starts = np.zeros(len(ns) + 1, dtype=np.int64)
+    np.cumsum(blocks, out=starts[1:])
+    return meta, starts
+
+
+class _Cache:
+    def __init__(self):
+        self._tables: OrderedDict = OrderedDict()
+
+    def table(self, signature: tuple, build) -> TensorTable:
+        table = self._tables.get(signature)
+        if table is None:
+            table = build()
+            self._tables[signature] = table
+            if len(self._tables) > _CACHE_SIZE:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(signature)
+        return table
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
+TABLES = _Cache()
+# Host buffers captured into a CUDA graph must outlive it: kept here (one per captured upload).
+_CAPTURED: list[torch.Tensor] = []
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``: one non-blocking copy from pinned memory (the caching host
+    allocator does not reuse the buffer before the copy has run)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host
+    pinned = host.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED.append(pinned)
+    return pinned.to(device, non_blocking=True)
+
+
+def _make_table(fields, ns, g0s, block, aligned, device) -> TensorTable:
+    meta, starts = table_arrays(fields, ns, g0s, block, aligned)
+    both = upload(np.concatenate([meta.reshape(-1), starts]), device)
+    grid = int(starts[-1])
+    bmap = torch.empty(max(grid, 1), dtype=torch.int64, device=device)
+    tk.block_map_kernel[(len(ns),)](both[meta.size:], bmap, CHUNK=1024)
+    return TensorTable(both[:meta.size], bmap, len(ns), grid)
+
+
+def is_aligned(addresses: Sequence[int], g0s: Sequence[int]) -> bool:
+    return all(a % ALIGN_BYTES == 0 for a in addresses) and all(g % 4 == 0 for g in g0s)
+
+
+def _split_by_alignment(count: int, addresses: Sequence[Sequence[int]],
+                        g0s: Sequence[int]) -> list[tuple[bool, list[int]]]:
+    """Indices of the aligned pieces and of the others (the second group is usually empty)."""
+    flags = [g0s[i] % 4 == 0 and all(a[i] % ALIGN_BYTES == 0 for a in addresses) for i in range(count)]
+    groups = [(True, [i for i in range(count) if flags[i]]), (False, [i for i in range(count) if not flags[i]])]
+    return [(aligned, idx) for aligned, idx in groups if idx]
+
+
+# ---- per-step data derived on the device (steps captured in CUDA graphs) -----------------------
+
+KEY_LANES = 64
+
+
+class KeyTemplates:
+    """The key messages of a fixed list of names with the step left zero, on the device
+    (``[16 * NB, T]`` little-endian words and each message's length), for ``step_data_kernel``."""
+
+    def __init__(self, names: Sequence[str], seed: int, mode: str, device: torch.device):
+        msgs = [key_message(n, seed=seed, step=0, mode=mode) for n in names]
+        self.count = len(msgs)
+        self.blocks = max(1, max(-(-len(m) // 128) for m in msgs))
+        raw = np.zeros((len(msgs), self.blocks * 128), dtype=np.uint8)
+        for i, m in enumerate(msgs):
+            raw[i, :len(m)] = np.frombuffer(m, dtype=np.uint8)
+        words = np.ascontiguousarray(raw.view("<u8").view(np.int64).T)
+        sigma = np.asarray(triton_keys.SIGMA, dtype=np.int64).reshape(-1)
+        both = upload(np.concatenate([words.reshape(-1), np.asarray([len(m) for m in msgs], dtype=np.int64), sigma]),
+                      device)
+        self.words, self.lens = both[:words.size], both[words.size:words.size + len(msgs)]
+        self.sigma = both[words.size + len(msgs):]
+        self.stochastic = mode == "stochastic"
+
+    def run(self, counter: torch.Tensor, keys: torch.Tensor, hyper: torch.Tensor | None = None,
+            consts: torch.Tensor | None = None, slots: int = 0) -> None:
+        """Keys of step ``counter + 1`` into ``keys``; with ``hyper`` (float64 ``[slots, 5]``:
+        lr, beta1, beta2, eps, weight decay), AdamW's constants of that step into ``consts``."""
+        launcher(triton_keys.step_data_kernel)(
+            triton_cdiv(self.count, KEY_LANES), self.words, self.lens, self.sigma, counter, keys, self.count,
+            keys if hyper is None else hyper,
+            keys if consts is None else consts, slots, self.blocks, STEP_BYTE=STEP_BYTE, KEYED_STEP=self.stochastic,
+            BT=KEY_LANES, BS=max(1, 1 << (max(slots, 1) - 1).bit_length()), **_fp_options())
+
+
+# ---- SR cast -------------------------------------------------------------------------------------
+
+def round_one(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
+              rows: tuple[int, int] | None = None) -> None:
+    """One flat FP32 tensor into a flat BF16 one; ``key`` signed 64-bit or None (nearest)."""
+    n = x.numel()
+    if n == 0:
+        return
+    check_device([x, out])
+    xb, ob = x.view(torch.int32), out.view(torch.int16)
+    keyed = key is not None
+    if rows is not None and keyed:
+        launcher(tk.sr_rows_kernel)(triton_cdiv(n, SR_BLOCK), xb, ob, n, offset, key, rows[0], rows[1], KEYED=True,
+                                    BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+        return
+    aligned = is_aligned((x.data_ptr(), out.data_ptr()), (offset,))
+    launcher(tk.sr_one_kernel)(triton_cdiv(n + (0 if aligned else offset % 4), SR_BLOCK), xb, ob, n, offset,
+                               key if keyed else 0, KEYED=keyed, ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+
+
+class SRLaunch:
+    """Rounding of a fixed list of flat tensors, ready to run at any key: the tables are built
+    (or found in the cache) here; a call uploads the keys and launches, once per alignment group."""
+
+    def __init__(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], offsets: Sequence[int]):
+        self.live = [i for i, x in enumerate(xs) if x.numel()]
+        self.single = None
+        self.groups: list[tuple[bool, list[int], TensorTable]] = []
+        if len(self.live) == 1:
+            i = self.live[0]
+            self.single = (xs[i], outs[i], offsets[i], i)
+            return
+        if not self.live:
+            return
+        self.device = check_device([xs[i] for i in self.live] + [outs[i] for i in self.live])
+        xa = [xs[i].data_ptr() for i in self.live]
+        oa = [outs[i].data_ptr() for i in self.live]
+        ns = [xs[i].numel() for i in self.live]
+        g0 = [offsets[i] for i in self.live]
+        for aligned, idx in _split_by_alignment(len(self.live), (xa, oa), g0):
+            fields = ([xa[i] for i in idx], [oa[i] for i in idx], [ns[i] for i in idx], [g0[i] for i in idx])
+            signature = ("sr", SR_BLOCK, self.device, aligned, *map(tuple, fields))
+            table = TABLES.table(signature, lambda: _make_table(fields, fields[2], fields[3], SR_BLOCK, aligned,
+                                                                self.device))
+            self.groups.append((aligned, [self.live[i] for i in idx], table))
+
+    def __call__(self, keys: np.ndarray | None, device_step: DeviceStep | None = None,
+                 names: Sequence[str] | None = None) -> None:
+        """``keys``: int64 stream keys, one per tensor given at construction; None: nearest.
+        With ``device_step`` (and the tensors' ``names``) the keys are derived on the device."""
+        if device_step is not None:
+            self._run_device(device_step, names)
+            return
+        if self.single is not None:
+            x, out, offset, i = self.single
+            round_one(x, out, None if keys is None else int(keys[i]), offset)
+            return
+        keyed = keys is not None
+        for aligned, rows, table in self.groups:
+            key_dev = upload(keys[rows], self.device) if keyed else table.meta
+            launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, key_dev, table.count, KEYED=keyed,
+                                        ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+
+
+    def _run_device(self, step: DeviceStep, names: Sequence[str]) -> None:
+        if self.single is not None:  # one table like any other, so the key stays on the device
+            x, out, offset, i = self.single
+            self.device = x.device
+            signature = ("sr", SR_BLOCK, x.device, False, (x.data_ptr(),), (out.data_ptr(),), (x.numel(),), (offset,))
+            fields = ([x.data_ptr()], [out.data_ptr()], [x.numel()], [offset])
+            self.groups = [(False, [i], TABLES.table(signature, lambda: _make_table(fields, fields[2], fields[3],
+                                                                                   SR_BLOCK, False, x.device)))]
+            self.single = None
+        templates = getattr(self, "_templates", None)
+        if templates is None:
+            templates = self._templates = [KeyTemplates([names[r] for r in rows], step.seed, step.mode, self.device)
+                                           for _, rows, _ in self.groups]
+        for (aligned, rows, table), tmpl in zip(self.groups, templates):
+            keys = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            tmpl.run(step.counter, keys)
+            launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, keys, table.count, KEYED=True,
+                                        ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+
+
+def round_many(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], keys: np.ndarray | None,
+               offsets: Sequence[int]) -> None:
+    """Flat FP32 tensors into flat BF16 tensors, one launch for all (two if some are misaligned).
+
+    ``keys``: int64 array of stream keys (one per tensor), or None for round-to-nearest-even.
+    """
+    SRLaunch(xs, outs, offsets)(keys)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- fused AdamW ----------------------------------------------------------------------------------
+
+class AdamWLaunch:
+    """Fused AdamW over a fixed list of flat tensors (see ``triton_kernels.adamw_many_kernel``):
+    the tables are built here; a step uploads its keys, gradient addresses and constants in one
+    copy and launches once per (alignment, gradient dtype) group, normally once.
+
+    ``params``/``exp_avgs``/``exp_avg_sqs``: flat contiguous tensors; ``outs``: the BF16 working
+    tensors of FP32 shadows, or None for BF16 parameters updated in place (``pure``);
+    ``offsets``: each piece's global index.
+    """
+
+    def __init__(self, params, exp_avgs, exp_avg_sqs, outs, offsets, *, pure: bool, moment_bf16: bool,
+                 names: Sequence[Sequence[str]] | None = None):
+        self.pure, self.moment_bf16 = pure, moment_bf16
+        self.names = names  # [param names, exp_avg names, exp_avg_sq names], for keys derived on the device
+        self._templates: dict = {}
+        self._uploaded: dict = {}
+        outs = outs if outs is not None else params
+        self.device = check_device([t for ts in (params, exp_avgs, exp_avg_sqs, outs) for t in ts])
+        self.live = [i for i, p in enumerate(params) if p.numel()]
+        self.addresses = [[ts[i].data_ptr() for i in self.live] for ts in (params, exp_avgs, exp_avg_sqs, outs)]
+        self.ns = [params[i].numel() for i in self.live]
+        self.g0 = [offsets[i] for i in self.live]
+        self._tables: dict[tuple[bool, tuple[int, ...]], TensorTable] = {}
+        # which pieces may take the 16-byte path, gradients aside (checked per step)
+        self._static_aligned = [self.g0[k] % 4 == 0 and all(a[k] % ALIGN_BYTES == 0 for a in self.addresses)
+                                for k in range(len(self.live))]
+
+    def _table(self, aligned: bool, idx: list[int]) -> TensorTable:
+        key = (ADAMW_BLOCK, aligned, tuple(idx))
+        table = self._tables.get(key)
+        if table is None:
+            fields = tuple(tuple(a[i] for i in idx) for a in (*self.addresses, self.ns, self.g0))
+            table = _make_table(fields, fields[4], fields[5], ADAMW_BLOCK, aligned, self.device)
+            self._tables[key] = table
+        return table
+
+    def __call__(self, grads: Sequence[torch.Tensor], keys: np.ndarray | None, slots: Sequence[int],
+                 consts: np.ndarray, scale: torch.Tensor, device_step: DeviceStep | None = None,
+                 hyper: np.ndarray | None = None) -> None:
+        """``grads``: flat, one per tensor given at construction; ``keys``: int64 ``[3, T]``
+        (param, exp_avg, exp_avg_sq keys) or None for nearest; ``slots``: each tensor's row of
+        ``consts`` (float32 ``[S, 8]``, ``triton_kernels.ADAMW_CONSTS``); ``scale``: a one-element
+        FP32 device tensor multiplying the gradients.
+
+        With ``device_step``, keys and constants of step ``counter + 1`` are derived on the
+        device instead (``hyper``: float64 ``[S, 5]`` = lr, beta1, beta2, eps, weight decay;
+        ``keys`` and ``consts`` are ignored), so the step replays correctly from a CUDA graph."""
+        if not self.live:
+            return
+        live = self.live
+        ga, bf16, ok = [], [], []
+        for k, i in enumerate(live):
+            g = grads[i]
+            if not g.is_contiguous() or g.device != self.device:
+                raise ValueError("Triton kernels need contiguous gradients on the parameters' device")
+            a = g.data_ptr()
+            ga.append(a)
+            bf16.append(g.dtype == torch.bfloat16)
+            ok.append(self._static_aligned[k] and a % ALIGN_BYTES == 0)
+        consts = np.ascontiguousarray(consts if consts is not None else np.zeros(8), dtype=np.float32).reshape(-1, 8)
+        keyed = keys is not None
+        everything = list(range(len(live)))
+        if all(ok) and (all(bf16) or not any(bf16)):  # the usual case: one launch
+            groups = [(True, bf16[0], everything)]
+        else:
+            groups = [(aligned, grad_bf16, [k for k in everything if ok[k] == aligned and bf16[k] == grad_bf16])
+                      for aligned in (True, False) for grad_bf16 in (True, False)]
+        for aligned, grad_bf16, sel in groups:
+            if not sel:
+                continue
+            table = self._table(aligned, sel)
+            rows = [live[k] for k in sel]
+            t = len(sel)
+            step_rows = np.concatenate([np.asarray([ga[k] for k in sel], np.int64),
+                                        np.asarray([slots[r] for r in rows], np.int64)])
+            if device_step is not None:
+                hyper64 = np.ascontiguousarray(hyper, dtype=np.float64).reshape(-1, 5)
+                step = self._static_upload((aligned, grad_bf16),
+                                           np.concatenate([step_rows, hyper64.view(np.int64).reshape(-1)]))
+                key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
+                const_dev = torch.empty(hyper64.shape[0] * 8, dtype=torch.float32, device=self.device)
+                self._templates_for(aligned, rows, device_step).run(
+                    device_step.counter, key_dev, step[2 * t:].view(torch.float64), const_dev, hyper64.shape[0])
+                keyed = True
+            else:
+                key_rows = keys[:, rows] if keyed else np.zeros((3, t), dtype=np.int64)
+                step = upload(np.concatenate([key_rows.astype(np.int64).reshape(-1), step_rows,
+                                              consts.view(np.int64).reshape(-1)]), self.device)
+                key_dev, step = step[:3 * t], step[3 * t:]
+                const_dev = step[2 * t:].view(torch.float32)
+            launcher(tk.adamw_many_kernel)(
+                table.grid, table.meta, table.bmap, key_dev, step[:2 * t], const_dev, scale, table.count, KEYED=keyed,
+                ALIGNED=aligned, GRAD_BF16=grad_bf16, PURE=self.pure, MOMENT_BF16=self.moment_bf16, BLOCK=ADAMW_BLOCK,
+                num_warps=ADAMW_WARPS, **_fp_options())
+
+    def _static_upload(self, group, array: np.ndarray) -> torch.Tensor:
+        """The device copy of a capturable step's data (gradient addresses, slots, hyper-parameters),
+        uploaded again only when it changed: a captured loop's steady state uploads nothing, and a
+        capture never allocates pinned memory."""
+        content = array.tobytes()
+        cached = self._uploaded.get(group)
+        if cached is None or cached[0] != content:
+            cached = self._uploaded[group] = (content, upload(array, self.device))
+        return cached[1]
+
+    def _templates_for(self, aligned: bool, rows: list[int], step: DeviceStep) -> KeyTemplates:
+        key = (aligned, tuple(rows))
+        tmpl = self._templates.get(key)
+        if tmpl is None:
+            if self.names is None:
+                raise ValueError("keys derived on the device need the tensors' names (AdamWLaunch(names=...))")
+            # lanes: the params' names, then their moments' (the kernel reads keys[3, T])
+            lanes = [self.names[r][i] for r in range(3) for i in rows]
+            tmpl = self._templates[key] = KeyTemplates(lanes, step.seed, step.mode, self.device)
+        return tmpl
+
+
+_SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def scale_tensor(value: float, device: torch.device) -> torch.Tensor:
+    """A cached one-element FP32 device tensor (made once per value and device, so no per-step upload)."""
+    t = _SCALES.get((value, device))
+    if t is None:
+        t = torch.full((1,), value, dtype=torch.float32, device=device)
+        _SCALES[(value, device)] = t
+    return t

@@ -1,0 +1,77 @@
+"""The layout-free digest of weights: equal however a tensor is split across ranks or buckets.
+
+The digest of a tensor is the 64-bit sum over its elements of a keyed mix of (global index,
+bits), so each rank digests the pieces it holds and the sums add up to the digest of the full
+tensor, whatever the sharding. A wrong byte, a misplaced piece or a missing piece changes it.
+``combine`` folds per-tensor sums (with names, dtypes and shapes) into one hex digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .backends import cpu
+from .key import GAMMA, MASK64, MIX1, MIX2, signed64
+from .reference import logical_shr
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_CHUNK = 1 << 18  # int64 temporaries of 2 MiB stay in cache
+_GAMMA, _MIX1, _MIX2 = signed64(GAMMA), signed64(MIX1), signed64(MIX2)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"cannot send {dtype}: weights travel as {', '.join(DTYPES)}")
+    return name
+
+
+def piece_sum(values: torch.Tensor, start: int) -> int:
+    """Layout-free digest contribution of flat ``values`` holding elements ``start..`` of a tensor:
+    the sum mod 2^64 of ``mix(index * GAMMA + bits * MIX2)`` (one multiply-xorshift round)."""
+    flat = values.reshape(-1)
+    if flat.device.type == "cpu":
+        kernel = cpu.loaded()
+        if kernel is not None:  # the same sum in one multi-threaded pass (~10x faster)
+            return kernel.piece_sum(flat.contiguous(), start) & MASK64
+    return piece_sum_reference(flat, start)
+
+
+def piece_sum_reference(flat: torch.Tensor, start: int) -> int:
+    """The definition in torch (any device). The 64-bit terms are summed as two 32-bit halves in
+    int64 on the device (exact: no overflow below 2^31 terms per flush), read back once per
+    2^30 elements, so a GPU tensor costs a handful of synchronisations."""
+    width = flat.element_size()
+    words = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+    chunk = _CHUNK if words.device.type == "cpu" else _CHUNK * 16
+    index_mix = torch.arange(chunk, dtype=torch.int64, device=words.device) * _GAMMA  # j * GAMMA, wrapping
+    total = 0
+    lo = hi = torch.zeros((), dtype=torch.int64, device=words.device)
+    for s in range(0, words.numel(), chunk):
+        v = words[s:s + chunk].to(torch.int64)
+        z = index_mix[:v.numel()] + signed64(((start + s) * GAMMA) & MASK64) + v * _MIX2
+        z = (z ^ logical_shr(z, 29)) * _MIX1
+        z = z ^ logical_shr(z, 32)
+        lo = lo + (z & 0xFFFFFFFF).sum()
+        hi = hi + logical_shr(z, 32).sum()
+        if (s // chunk + 1) % ((1 << 30) // chunk) == 0:  # flush before the halves could overflow
+            total += int(lo) + (int(hi) << 32)
+            lo = hi = torch.zeros_like(lo)
+    total += int(lo) + (int(hi) << 32)
+    return total & MASK64
+
+
+def combine(entries: dict[str, tuple[str, tuple[int, ...], int]]) -> str:
+    """One digest over ``{name: (dtype, shape, sum)}``, independent of order."""
+    h = hashlib.sha256()
+    for name in sorted(entries):
+        dtype, shape, s = entries[name]
+        h.update(f"{name}|{dtype}|{list(shape)}|{s & MASK64:016x}\n".encode())
+    return h.hexdigest()
+
+
+def tensor_sums(named: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Digest entries of whole tensors."""
+    return {n: (dtype_name(t.dtype), tuple(t.shape), piece_sum(t.detach().contiguous(), 0)) for n, t in named.items()}

@@ -1,0 +1,87 @@
+"""Where a local piece of a parameter lives in the full parameter: the element offsets that key
+its rounding. FSDP2 and DTensor shard with ``torch.chunk`` semantics (``ceil(size / world)`` rows
+per rank along the shard dim, trailing ranks possibly short or empty); HSDP adds ``Replicate``
+mesh dims, whose ranks hold the same shard."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def chunking(shape: tuple[int, ...], dim: int, world: int) -> tuple[int, int]:
+    """``(rows per shard along dim, elements per row of dim)`` for ``world`` shards of ``shape``."""
+    return math.ceil(shape[dim] / world) if shape[dim] else 0, math.prod(shape[dim + 1:])
+
+
+def split_range(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``parts`` contiguous, nearly equal parts of ``range(numel)``."""
+    chunk = math.ceil(numel / parts)
+    return min(index * chunk, numel), min((index + 1) * chunk, numel)
+
+
+def shard_layout(orig_size: tuple[int, ...], local_shape: tuple[int, ...], world: int, rank: int):
+    """Global flat offset, row stride (for a non-leading shard dim, else None) and padded shape of
+    FSDP2's shard ``rank``.
+
+    FSDP2 pads every shard to the first one's size; padding rows hold zeros, which round to zero
+    under any key.
+    """
+    if local_shape == orig_size or world == 1:
+        return 0, None, orig_size
+    dims = [d for d, (a, b) in enumerate(zip(orig_size, local_shape)) if a != b]
+    dim = dims[0] if dims else 0
+    chunk, inner = chunking(orig_size, dim, world)
+    padded = orig_size[:dim] + (chunk,) + orig_size[dim + 1:]
+    if dim == 0:
+        return rank * chunk * inner, None, padded
+    # a column block: local element (r, c) of the [prod(orig[:dim]), chunk*inner] view
+    return rank * chunk * inner, orig_size[dim] * inner, padded
+
+
+def replica_slot(p: torch.Tensor) -> tuple[int, int]:
+    """``(index, count)``: which of the ``count`` ranks holding the same shard of ``p`` this rank
+    is (its coordinates on the ``Replicate`` mesh dims, row-major); ``(0, 1)`` when nothing is
+    replicated. HSDP's replica groups use it to split a shard's work among themselves."""
+    from torch.distributed.tensor import DTensor, Replicate  # torch.distributed is optional in torch builds
+
+    if not isinstance(p, DTensor):
+        return 0, 1
+    index, count = 0, 1
+    for i, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            size = p.device_mesh.size(i)
+            index, count = index * size + p.device_mesh.get_local_rank(i), count * size
+    return index, count
+
+
+def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | None]:
+    """``(local tensor, global flat offset, rows)`` of a parameter: itself for a plain tensor; for
+    a DTensor, its local shard placed in the full tensor. Any number of ``Replicate`` mesh dims
+    and at most one ``Shard`` are supported (FSDP2, HSDP). ``rows = (row_len, row_stride)`` marks
+    a shard on a non-leading dim: viewed as ``[-1, row_len]``, its row ``r`` starts at global
+    ``offset + r * row_stride``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return p, 0, None
+    local = p.to_local()
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not shards:
+        return local, 0, None
+    if len(shards) > 1 or not isinstance(shards[0][1], Shard):
+        raise NotImplementedError(f"keyed rounding of a DTensor with placements {p.placements}: one Shard "
+                                  "(any number of Replicate) is supported")
+    mesh_dim, placement = shards[0]
+    world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+    dim, shape = placement.dim, tuple(p.shape)
+    chunk, inner = chunking(shape, dim, world)
+    offset = min(coord * chunk, shape[dim]) * inner
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return local, offset, None
+    return local, offset, (local.shape[dim] * inner, shape[dim] * inner)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")

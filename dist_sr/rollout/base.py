@@ -1,0 +1,69 @@
+"""What a rollout engine is: the ``RolloutEngine`` protocol the trainer talks to, the batch it
+returns (``Rollouts``), the registry of engines, and prompt encoding shared by all of them.
+
+An engine holds a copy of the policy's working weights (or, for the embedded engine, *is* the
+policy), generates completions, and tags every batch with the weight version it used and, when
+asked, the digest of those weights, so the trainer can prove that rollouts and training saw the
+same bits. An engine whose digest is not the training engine's own ``digest()`` (vLLM reports the
+layout-free digest of what it received) also provides ``trainer_digest()``: the trainer's
+weights digested the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass
+class Rollouts:
+    prompt_ids: torch.Tensor       # [N, P] left-padded
+    prompt_mask: torch.Tensor      # [N, P] 1 for real tokens
+    completion_ids: torch.Tensor   # [N, T] padded after EOS
+    completion_mask: torch.Tensor  # [N, T] 1 up to and including EOS
+    texts: list[str]               # decoded completions (special tokens removed)
+    weight_version: int
+    weight_digest: str | None
+
+
+class RolloutEngine(Protocol):
+    def sync_weights(self, version: int, verify: bool = True) -> None: ...
+
+    def generate(self, prompts: list[str], *, samples_per_prompt: int, max_new_tokens: int,
+                 temperature: float, generator: torch.Generator, with_digest: bool = False) -> Rollouts: ...
+
+
+# name -> factory(rollout config, training engine, tokenizer, device, sharded) -> RolloutEngine
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_rollout_engine(name: str, factory: Callable[..., RolloutEngine]) -> None:
+    """A new rollout engine: one module and this call (see ``dist_sr/rollout/__init__.py``)."""
+    ROLLOUT_ENGINES[name] = factory
+
+
+def rollout_engine_names() -> tuple[str, ...]:
+    return tuple(ROLLOUT_ENGINES)
+
+
+def make_rollout_engine(config, trainer, tokenizer, *, device, sharded: bool) -> RolloutEngine:
+    """The engine ``config.engine`` (a ``RolloutConfig``) for a training engine's weights."""
+    return ROLLOUT_ENGINES[config.engine](config, trainer, tokenizer, device=device, sharded=sharded)
+
+
+def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids (with BOS where the tokenizer has one) and their mask."""
+    rows = []
+    for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]:
+        if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
+            ids = [tokenizer.bos_token_id] + ids
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,75 @@
+"""The control plane of a ``vllm serve`` engine: its weight-transfer routes over HTTP (vLLM's dev
+mode, ``VLLM_SERVER_DEV_MODE=1``), for ``weightsync.sync.WeightSync``. The bare receiver
+(``weightsync.receiver``) serves the same routes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+from ...weightsync.control import TIMEOUT_S, EngineError
+
+
+def http(url: str, path: str, body: dict | None = None, *, timeout: float, method: str | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method or ("GET" if body is None else "POST"),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            text = resp.read().decode() or "{}"
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise EngineError(f"{url}{path}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, socket.timeout) as exc:
+        raise EngineError(f"{url}{path}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"text": text}
+
+
+class VLLMControl:
+    """``ControlPlane`` over one engine's base URL."""
+
+    def __init__(self, url: str, timeout_s: float = TIMEOUT_S):
+        self.name = url
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        return http(self.name, path, body if body is not None else {}, timeout=timeout or self.timeout_s)
+
+    def health(self) -> None:
+        http(self.name, "/health", timeout=min(self.timeout_s, 10), method="GET")
+
+    def world_size(self) -> int:
+        return int(http(self.name, "/get_world_size", timeout=self.timeout_s)["world_size"])
+
+    def init_transfer(self, info: dict) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": info})
+
+    def pause(self) -> None:
+        self._post("/pause?mode=abort")
+
+    def start_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update(self, plan: dict, timeout: float) -> None:
+        self._post("/update_weights", {"update_info": {"plan": plan}}, timeout=timeout)
+
+    def finish(self, version: int) -> None:
+        self._post("/finish_weight_update", {"weight_version": str(version)})
+
+    def reset_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+    def report(self) -> list[dict]:
+        return self._post("/collective_rpc", {"method": "dist_sr_weight_report"})["results"]
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+
+def controls(urls: list[str], timeout_s: float = TIMEOUT_S) -> list[VLLMControl]:
+    return [VLLMControl(u, timeout_s) for u in urls]

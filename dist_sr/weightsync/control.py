@@ -1,0 +1,50 @@
+"""How a weight sync drives one rollout engine: the ``ControlPlane`` protocol, and its errors.
+
+A sync never talks to an engine directly: each engine comes with a control plane (for vLLM, HTTP
+calls to its weight-transfer routes: ``dist_sr.rollout.vllm.control``). Another rollout engine
+(SGLang, a bare receiver) is one more implementation of these methods.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+GROUP_PORT = 29600   # trainer rank 0 hosts the weight-transfer groups' store here by default
+TIMEOUT_S = 120.0    # default per collective and per control call
+
+
+class EngineError(RuntimeError):
+    """An engine failed a control call or a collective (the message starts with its name)."""
+
+
+class NoReadyEngineError(RuntimeError):
+    pass
+
+
+class ControlPlane(Protocol):
+    name: str  # a stable name for logs and errors (vLLM: the engine's base URL)
+
+    def health(self) -> None:
+        """Raise ``EngineError`` unless the engine answers."""
+
+    def world_size(self) -> int:
+        """Workers of the engine that join the transfer groups (TP * PP * DP)."""
+
+    def init_transfer(self, info: dict) -> None:
+        """Join the transfer groups described by ``info`` (``receiver.InitInfo`` fields)."""
+
+    def pause(self) -> None: ...
+
+    def start_update(self) -> None: ...
+
+    def update(self, plan: dict, timeout: float) -> None:
+        """Receive every bucket of ``plan`` (``SyncPlan.to_json``); returns when loaded."""
+
+    def finish(self, version: int) -> None: ...
+
+    def reset_cache(self) -> None: ...
+
+    def report(self) -> list[dict]:
+        """Each worker's ``WeightReceiver.report()``: version, completeness and digests."""
+
+    def resume(self) -> None: ...

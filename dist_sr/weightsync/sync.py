@@ -1,0 +1,326 @@
+"""The trainer's side of a weight sync: every trainer rank calls ``WeightSync.sync(version)``
+after each optimizer step (the ranks that send must; the rest follow the decisions rank 0
+broadcasts).
+
+Per sync, rank 0 drives each live engine through its control plane: pause -> start -> update
+(one call carrying the whole plan, on a worker thread, while the trainer ranks send the buckets
+on the main thread) -> finish(weight_version) -> reset prefix cache -> digest report -> resume.
+Everything has a timeout. An engine that fails, hangs or reports a wrong digest gets no
+traffic: a failed engine is dropped and the groups are rebuilt with the survivors for a retry;
+a restarted engine rejoins at the next sync and serves only after its digest matches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..numerics.digest import combine, piece_sum
+from ..sources import WeightSource, add_rank_sums, layout_free_digest
+from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, NoReadyEngineError
+from .plan import Span, SyncPlan, TensorPlan, make_buckets
+from .transport import Packer, broadcast, gloo_group, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    """One rollout engine as the sync sees it."""
+
+    control: ControlPlane
+    workers: int = 0                 # TP * PP (* DP): members of the transfer groups
+    state: str = "new"               # new | ready | pending | down
+    version: int | None = None       # last weight version verified on this engine
+    reason: str = ""                 # why it is not ready
+
+    @property
+    def url(self) -> str:
+        return self.control.name
+
+
+@dataclass
+class SyncResult:
+    version: int
+    digest: str
+    ready: list[str]
+    seconds: float
+    bytes_sent: int
+    attempts: int
+    problems: list[str] = field(default_factory=list)
+
+
+class WeightSync:
+    """One trainer's weight sync to a fleet (every trainer rank holds one)."""
+
+    def __init__(self, source: WeightSource, controls: Sequence[ControlPlane], *, transport: str = "broadcast",
+                 bucket_mb: float = 64.0, timeout_s: float = TIMEOUT_S, group_host: str | None = None,
+                 group_port: int = GROUP_PORT, trainer_group=None):
+        if transport not in ("broadcast", "shard-direct"):
+            raise ValueError(f"unknown transport {transport!r}; choose broadcast or shard-direct")
+        self.source, self.transport = source, transport
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout_s = timeout_s
+        self.trainer_group = trainer_group
+        self.rank = dist.get_rank(trainer_group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(trainer_group) if dist.is_initialized() else 1
+        self.senders = self.world if transport == "shard-direct" else 1
+        self.engines = [Member(c) for c in controls]  # rank 0's view is authoritative
+        self.packer = Packer()
+        self.group_host = group_host or "127.0.0.1"
+        self.group_port = group_port
+        self.store = None
+        self.groups: dict[int, object] = {}
+        self.members: list[tuple[str, int]] = []  # (url, workers) of the current group, in rank order
+        self.generation = 0
+        self.last: SyncResult | None = None
+
+    # ---- collectives among trainer ranks -------------------------------------------------
+    def _bcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.trainer_group)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.trainer_group)
+        return bool(flag.item())
+
+    # ---- membership ------------------------------------------------------------------------
+    def _probe(self) -> None:
+        """Rank 0: which engines answer, and how many workers each has."""
+        for e in self.engines:
+            try:
+                e.control.health()
+                if e.state in ("new", "down") or not e.workers:  # a restarted engine may have a new TP size
+                    e.workers = e.control.world_size()
+                if e.state == "down":
+                    e.state, e.reason = "pending", "restarted: waits for the current weights"
+                elif e.state == "new":
+                    e.state = "pending"
+            except EngineError as exc:
+                if e.state != "down":
+                    log.warning("engine %s is down: %s", e.url, exc)
+                e.state, e.reason = "down", str(exc)
+
+    def _connect(self, members: list[tuple[str, int]]) -> list[str]:
+        """All ranks: build the groups of a new generation with ``members``; returns the URLs that
+        failed to join (rank 0)."""
+        self.generation += 1
+        self.groups, self.members = {}, members
+        controls = {e.url: e.control for e in self.engines}
+        world = 1 + sum(w for _, w in members)
+        if not members:
+            return []
+        if self.rank == 0 and self.store is None:
+            self.store = open_store("0.0.0.0", self.group_port, is_master=True, timeout_s=self.timeout_s)
+        failed, threads = [], []
+        if self.rank == 0:
+            offset = 1
+            for url, workers in members:
+                info = {"master_address": self.group_host, "master_port": self.group_port, "rank_offset": offset,
+                        "world_size": world, "senders": self.senders, "generation": self.generation,
+                        "timeout_s": self.timeout_s}
+                offset += workers
+                threads.append(self._call_async(lambda c=controls[url], i=info: c.init_transfer(i), failed))
+        if self.rank < self.senders:
+            store = self.store if self.rank == 0 else open_store(self.group_host, self.group_port, is_master=False,
+                                                                 timeout_s=self.timeout_s)
+            try:
+                self.groups[self.rank] = gloo_group(store, self.generation, self.rank, 0, world, self.timeout_s)
+            except RuntimeError as exc:
+                failed.append(f"trainer rank {self.rank}: {exc}")
+        for t in threads:
+            t.join()
+        return failed
+
+    @staticmethod
+    def _call_async(call, failures: list):
+        def run():
+            try:
+                call()
+            except EngineError as exc:
+                failures.append(str(exc))  # the message starts with the engine's name
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    # ---- the plan -------------------------------------------------------------------------
+    def plan(self, version: int) -> SyncPlan:
+        tensors = []
+        for name, dtype, shape in self.source.metadata():
+            if self.transport == "broadcast":
+                spans = [Span(0, 0, math.prod(shape))]
+            else:
+                spans = [Span(r, *self._range_of(name, r)) for r in range(self.world)]
+                spans = [p for p in spans if p.end > p.start] or [Span(0, 0, 0)]
+            tensors.append(TensorPlan(name, dtype, tuple(shape), spans))
+        plan = SyncPlan(version, self.senders, make_buckets(tensors, self.bucket_bytes))
+        plan.check()
+        return plan
+
+    def _range_of(self, name: str, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s flat range of ``name`` (the ranks exchange their ranges once, at the
+        first shard-direct plan; the layout does not change during training)."""
+        ranges = getattr(self, "_ranges", None)
+        if ranges is None:
+            mine = {p.name: (p.start, p.end) for p in self.source.local_pieces([m[0] for m in self.source.metadata()])}
+            all_ranges = [mine]
+            if self.world > 1:
+                all_ranges = [None] * self.world
+                dist.all_gather_object(all_ranges, mine, group=self.trainer_group)
+            self._ranges = ranges = all_ranges
+        return ranges[rank][name]
+
+    # ---- one sync -------------------------------------------------------------------------
+    def sync(self, version: int, on_bucket=None, verify: bool = True) -> SyncResult:
+        """Every trainer rank: send the current working weights as ``version``; ``on_bucket(i, n)``
+        is called before each bucket (progress). ``verify=False`` skips the digests (both sides):
+        engines that complete the update count as ready."""
+        t0 = time.perf_counter()
+        problems: list[str] = []
+        for attempt in (1, 2, 3):
+            members = None
+            if self.rank == 0:
+                self._probe()
+                members = [(e.url, e.workers) for e in self.engines if e.state != "down"]
+            members = self._bcast(members)
+            if not members:
+                raise NoReadyEngineError("no rollout engine is reachable: " + "; ".join(
+                    f"{e.url}: {e.reason}" for e in self.engines))
+            failed = []
+            if members != self.members:
+                failed = self._connect(members)
+            ok = not failed and self._all_ok(True)
+            if ok:
+                ok, failed, sent, entries = self._transfer(version, on_bucket, verify)
+            if self._all_ok(ok):
+                break
+            failed = self._bcast(failed)
+            problems += failed
+            if self.rank == 0:
+                for e in self.engines:
+                    if any(e.url in f for f in failed):
+                        e.state, e.reason = "down", "; ".join(f for f in failed if e.url in f)[:2000]
+            self.members = []  # rebuild the group with the survivors
+        else:
+            raise NoReadyEngineError(f"weight sync {version} failed three times: {problems[-6:]}")
+        digest = combine(entries) if self.rank == 0 and verify else ""
+        ready = []
+        if self.rank == 0:
+            ready, bad = self._verify(version, entries if verify else None)
+            problems += bad
+        ready = self._bcast(ready)
+        self.last = SyncResult(version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems)
+        if not ready:
+            raise NoReadyEngineError(f"after weight sync {version} no engine holds the trainer's weights: {problems}")
+        return self.last
+
+    def _transfer(self, version: int, on_bucket=None, verify: bool = True):
+        """All ranks: one attempt at moving every bucket. Returns (ok, failures, bytes, digest entries)."""
+        plan = self.plan(version)
+        plan.digest = verify
+        failures: list[str] = []
+        threads = []
+        controls = [self._control(url) for url, _ in self.members] if self.rank == 0 else []
+        if self.rank == 0:
+            for c in controls:
+                try:
+                    c.pause()
+                    c.start_update()
+                except EngineError as exc:
+                    failures.append(str(exc))
+            if failures:
+                return False, failures, 0, {}
+            update_timeout = self.timeout_s * (1 + len(plan.buckets))
+            plan_json = plan.to_json()
+            for c in controls:
+                threads.append(self._call_async(lambda c=c: c.update(plan_json, update_timeout), failures))
+        sums: dict[str, int] = {}
+        sent = 0
+        try:
+            for index, bucket in enumerate(plan.buckets):
+                if on_bucket is not None:
+                    on_bucket(index, len(plan.buckets))
+                names = [t.name for t in bucket.tensors]
+                if self.transport == "broadcast":
+                    full = self.source.gather(names)  # collective on every rank
+                    pieces = [(n, 0, full[n].reshape(-1)) for n in names] if self.rank == 0 else []
+                else:
+                    pieces = [(p.name, p.start, p.bits) for p in self.source.local_pieces(names) if p.end > p.start]
+                if verify:
+                    sums.update({n: piece_sum(bits, s) for n, s, bits in pieces})
+                if self.rank < self.senders:
+                    buf = self.packer.pack([bits for _, _, bits in pieces], bucket.nbytes(self.rank))
+                    broadcast(self.groups[self.rank], buf).wait()
+                    sent += buf.numel()
+        except RuntimeError as exc:
+            failures.append(f"trainer rank {self.rank}: {exc}")
+        for t in threads:
+            t.join()
+        ok = not failures
+        if self.rank == 0 and ok:
+            for c in controls:
+                try:
+                    c.finish(version)
+                    c.reset_cache()
+                except EngineError as exc:
+                    failures.append(str(exc))
+            ok = not failures
+        entries = add_rank_sums(sums, self.source.metadata(), self.world, self.trainer_group) if verify else {}
+        return ok, failures, sent, entries
+
+    def current_digest(self) -> str:
+        """Every trainer rank: the layout-free digest of the working weights as they are now, from
+        the pieces each rank holds (no gather)."""
+        return layout_free_digest(self.source, self.world, self.trainer_group)
+
+    def _verify(self, version: int, entries: dict | None) -> tuple[list[str], list[str]]:
+        """Rank 0: each engine's report against the trainer's digest entries (``None``: only that
+        the engine completed this version); only matching engines are resumed and marked ready."""
+        expected = None if entries is None else {n: [d, list(s), f"{v:016x}"] for n, (d, s, v) in entries.items()}
+        ready, problems = [], []
+        for e in self.engines:
+            if e.state == "down" or e.url not in [u for u, _ in self.members]:
+                continue
+            try:
+                reports = e.control.report()
+            except EngineError as exc:
+                e.state, e.reason = "pending", str(exc)
+                problems.append(str(exc))
+                continue
+            bad = [] if expected is None else sorted({n for r in reports for n in set(expected) | set(r.get("digests", {}))
+                                                      if r.get("digests", {}).get(n) != expected.get(n)})
+            stale = [r.get("rank") for r in reports if str(r.get("version")) != str(version) or not r.get("complete")]
+            if bad or stale:
+                e.state = "pending"
+                e.reason = (f"weights differ from the trainer's after sync {version}: "
+                            f"{bad[:8]}{' ...' if len(bad) > 8 else ''}" if bad else
+                            f"workers {stale} did not complete sync {version}")
+                problems.append(f"{e.url}: {e.reason}")
+                log.error("engine %s gets no rollouts: %s", e.url, e.reason)
+                continue
+            try:
+                e.control.resume()
+            except EngineError as exc:
+                e.state, e.reason = "pending", str(exc)
+                problems.append(str(exc))
+                continue
+            e.state, e.version, e.reason = "ready", version, ""
+            ready.append(e.url)
+        return ready, problems
+
+    def _control(self, url: str) -> ControlPlane:
+        return next(e.control for e in self.engines if e.url == url)

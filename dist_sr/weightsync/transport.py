@@ -1,0 +1,109 @@
+"""The weight-transfer groups: one gloo group per sending trainer rank, stateless (independent of
+``torch.distributed``'s default group, which trainer and engines each already use for themselves).
+
+Group ``m`` holds trainer rank ``m`` (as group rank 0) and every engine worker (group ranks
+``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store; every
+rebuild of the fleet uses a fresh ``generation`` prefix, so stale keys never meet new members.
+Buckets are received as one flat byte buffer per source, so a sync is a few large collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..numerics.digest import DTYPES
+from .plan import Bucket
+
+
+def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, use_libuv=True)
+
+
+def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float):
+    """Group ``src`` of ``generation``: ``rank`` among ``world`` members."""
+    prefixed = dist.PrefixStore(f"dist_sr/{generation}/group{src}", store)
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if iface:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
+        return dist.ProcessGroupGloo(prefixed, rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+
+
+def broadcast(group, buffer: torch.Tensor):
+    """Start a broadcast of ``buffer`` from group rank 0 (the trainer); returns the work handle."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([buffer], opts)
+
+
+class Packer:
+    """Sender side: one contiguous byte buffer per bucket (a lone contiguous tensor is sent in
+    place; the staging buffer is reused across syncs, so its pages are touched once)."""
+
+    def __init__(self):
+        self._staging: torch.Tensor | None = None
+
+    def pack(self, chunks: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+        size = sum(c.numel() * c.element_size() for c in chunks)
+        if size != nbytes:
+            raise RuntimeError(f"bucket buffer has {size} bytes, the plan says {nbytes}")
+        if len(chunks) == 1 and chunks[0].is_contiguous():
+            return chunks[0].reshape(-1).view(torch.uint8)
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        buf, at = self._staging[:nbytes], 0
+        for c in chunks:
+            b = c.reshape(-1).contiguous().view(torch.uint8)
+            buf[at:at + b.numel()].copy_(b)
+            at += b.numel()
+        return buf
+
+
+def post_bucket(groups: dict, bucket: Bucket):
+    """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works)."""
+    buffers, works = {}, []
+    for src in bucket.sources():
+        buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
+        works.append(broadcast(groups[src], buffers[src]))
+    return buffers, works
+
+
+def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
+    """Wait for a posted bucket and assemble its full tensors (views into the buffer when a
+    tensor arrives in one piece)."""
+    buffers, works = posted
+    for w in works:
+        w.wait()
+    cursor = {src: 0 for src in buffers}
+    out = []
+    for t in bucket.tensors:
+        dtype, item = DTYPES[t.dtype], t.itemsize
+        if len(t.spans) == 1:
+            (p,) = t.spans
+            raw = buffers[p.src][cursor[p.src]:cursor[p.src] + t.numel * item]
+            cursor[p.src] += t.numel * item
+            out.append((t.name, raw.view(dtype).view(t.shape)))
+            continue
+        full = torch.empty(t.numel, dtype=dtype)
+        for p in t.spans:
+            n = (p.end - p.start) * item
+            full[p.start:p.end] = buffers[p.src][cursor[p.src]:cursor[p.src] + n].view(dtype)
+            cursor[p.src] += n
+        out.append((t.name, full.view(t.shape)))
+    return out
+
+
+def receive_buckets(groups: dict, buckets: list[Bucket]):
+    """Yield each bucket's tensors, receiving the next bucket while the caller loads this one."""
+    posted = post_bucket(groups, buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        current = posted
+        posted = post_bucket(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
+        yield finish_bucket(bucket, current)

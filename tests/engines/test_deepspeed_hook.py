@@ -1,0 +1,205 @@
+"""``dist-sr deepspeed-hook``: an unmodified script that calls ``deepspeed.initialize`` itself gets
+keyed SR from the JSON's ``"stochastic_rounding"`` block alone."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dist_sr_deepspeed_hook as hook
+from tests.dist_utils import REPO, free_port, launcher_env
+
+deepspeed = pytest.importorskip("deepspeed")
+from dist_sr.engines.deepspeed.hook import take_sr_block  # noqa: E402
+
+SR = {"enabled": True, "seed": 77, "mode": "stochastic"}
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+
+
+def test_a_config_without_the_block_passes_through_untouched(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BASE))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    call = ((args,), {"model": "m"})
+    sr, a, kw = take_sr_block(*call)
+    assert sr is None and a[0] is args and kw == {"model": "m"}
+    assert take_sr_block((), {"config": dict(BASE)})[0] is None
+    assert take_sr_block((), {"model": "m"}) == (None, (), {"model": "m"})
+
+
+@pytest.mark.parametrize("where", ["config", "config_params", "args", "args-keyword", "deepscale_config"])
+def test_the_block_is_found_wherever_deepspeed_looks_and_removed(where, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BASE, "stochastic_rounding": SR}))
+    args = argparse.Namespace(deepspeed_config=None, local_rank=0)
+    if where == "deepscale_config":
+        args.deepscale_config = str(path)
+    elif where.startswith("args"):
+        args.deepspeed_config = str(path)
+    pos, kw = ((), {"args": args}) if where == "args-keyword" else ((args,), {})
+    if where in ("config", "config_params"):
+        kw[where] = str(path)
+    sr, pos, kw = take_sr_block(pos, kw)
+    assert (sr.seed, sr.mode) == (77, "stochastic")
+    assert kw["config"] == BASE and "config_params" not in kw  # the rest, as DeepSpeed would read it
+    new_args = kw.get("args", pos[0] if pos else None)
+    assert getattr(new_args, "deepspeed_config", None) is None and getattr(new_args, "deepscale_config", None) is None
+    assert args.deepspeed_config is None or args.deepspeed_config == str(path)  # the caller's args are not mutated
+
+
+def test_a_config_given_twice_is_left_to_deepspeeds_own_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BASE, "stochastic_rounding": SR}))
+    call = ((argparse.Namespace(deepspeed_config=str(path)),), {"config": str(path)})
+    assert take_sr_block(*call) == (None, *call)
+
+
+def test_a_disabled_block_is_removed_and_nothing_attached():
+    sr, _, kw = take_sr_block((), {"config": {**BASE, "stochastic_rounding": {**SR, "enabled": False}}})
+    assert sr is None and kw["config"] == BASE
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", **env}
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_the_pth_line_patches_deepspeed_at_import_and_tolerates_a_missing_package(tmp_path):
+    hook.install(str(tmp_path))
+    # (the environment's own .pth may have registered the hook already: start from none)
+    probe = ("import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
+             "{pre}site.addsitedir({d!r}); import deepspeed; "
+             "print('hooked' if getattr(deepspeed.initialize, '__dist_sr_hook__', False) else 'plain')")
+    r = _python(probe.format(d=str(tmp_path), pre=""))
+    assert r.stdout.strip().splitlines()[-1] == "hooked", r.stderr
+    r = _python(probe.format(d=str(tmp_path), pre=""), DIST_SR_DEEPSPEED_HOOK="0")
+    assert r.stdout.strip().splitlines()[-1] == "plain", r.stderr
+    # dist-sr uninstalled but the .pth left behind: start-up must still work, silently
+    r = _python(probe.format(d=str(tmp_path), pre="sys.modules['dist_sr_deepspeed_hook'] = None; "))
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "plain" and "Error processing" not in r.stderr
+    assert hook.uninstall(str(tmp_path)) == str(tmp_path / hook.PTH_NAME) and hook.uninstall(str(tmp_path)) is None
+
+
+USER_SCRIPT = '''
+import argparse, json
+import deepspeed, torch
+from tests.engines.models import tiny_qwen2
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--local_rank", type=int, default=-1)
+ap.add_argument("--out")
+ap = deepspeed.add_config_arguments(ap)
+args = ap.parse_args()
+model = tiny_qwen2()
+engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+ids = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(7))
+for _ in range(3):
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+# the test's check (not part of a user's script): are the BF16 weights keyed SR of the masters?
+from dist_sr import stochastic_round
+from tests.engines.test_deepspeed import working_and_master
+state = working_and_master(engine)
+keyed = all(torch.equal(w.view(torch.int16), stochastic_round(m, seed=77, step=engine.global_steps,
+                                                               param=n).view(torch.int16))
+            for n, (w, m) in state.items())
+rtn = all(torch.equal(w, m.to(torch.bfloat16)) for w, m in state.values())
+if engine.global_rank == 0:
+    json.dump({"attached": hasattr(engine, "dist_sr"), "keyed": keyed, "rtn": rtn}, open(args.out, "w"))
+'''
+
+
+@pytest.fixture
+def installed_hook():
+    """The hook installed in this environment's site-packages, as `dist-sr deepspeed-hook install`
+    (run by scripts/setup.sh) leaves it; removed again if this test put it there."""
+    there = os.path.exists(hook.pth_path())
+    if not there:
+        hook.install()
+    yield
+    if not there:
+        hook.uninstall()
+
+
+@pytest.mark.slow
+def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, installed_hook):
+    (tmp_path / "train.py").write_text(USER_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps({**BASE, "stochastic_rounding": SR}))
+    env = launcher_env()
+    results = {}
+    for label, switch in (("hook", "1"), ("off", "0")):
+        out = tmp_path / f"{label}.json"
+        r = subprocess.run(["deepspeed", "--num_gpus=2", f"--master_port={free_port()}", "train.py", "--deepspeed",
+                            "--deepspeed_config", "ds.json", "--out", str(out)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env={**env, "DIST_SR_DEEPSPEED_HOOK": switch})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        results[label] = json.loads(out.read_text())
+    assert results["hook"] == {"attached": True, "keyed": True, "rtn": False}
+    # without the hook DeepSpeed ignores the block: round-to-nearest, which is why the hook exists
+    assert results["off"] == {"attached": False, "keyed": False, "rtn": True}
+
+
+HF_SCRIPT = '''
+import json, sys, torch
+from transformers import Trainer, TrainingArguments
+from tests.engines.models import tiny_qwen2
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 3, (9,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=2, max_steps=3, bf16=True, deepspeed="ds.json",
+                         report_to=[], save_strategy="no", use_cpu=True, learning_rate=1e-3)
+trainer = Trainer(model=tiny_qwen2(), args=args, train_dataset=Data())
+trainer.train()
+
+# the test's check (not part of a user's script)
+from dist_sr import stochastic_round
+from tests.engines.test_deepspeed import working_and_master
+engine = trainer.model_wrapped
+state = working_and_master(engine)
+keyed = all(torch.equal(w.view(torch.int16), stochastic_round(m, seed=77, step=engine.global_steps,
+                                                               param=n).view(torch.int16))
+            for n, (w, m) in state.items())
+if engine.global_rank == 0:
+    json.dump({"attached": hasattr(engine, "dist_sr"), "steps": engine.global_steps, "keyed": keyed},
+              open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.slow
+def test_the_hugging_face_trainer_with_deepspeed_gets_keyed_sr_from_its_json(tmp_path, installed_hook):
+    """transformers' Trainer (which TRL's trainers build on) hands DeepSpeed the JSON through
+    accelerate; with the hook, the block in it is honoured: HF's "auto" values and all."""
+    pytest.importorskip("accelerate")
+    (tmp_path / "train.py").write_text(HF_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
+        "stochastic_rounding": SR}))
+    env = launcher_env()
+    r = subprocess.run(["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", "train.py", "result.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((tmp_path / "result.json").read_text()) == {"attached": True, "steps": 3, "keyed": True}
+
+
+def test_a_broken_dist_sr_install_fails_the_deepspeed_import_with_the_fix(tmp_path):
+    """With the hook on, deepspeed must not come up without SR support (RTN for SR configs)."""
+    hook.install(str(tmp_path))
+    code = ("import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
+            f"site.addsitedir({str(tmp_path)!r}); sys.modules['dist_sr.engines.deepspeed.hook'] = None; "
+            "import deepspeed")
+    r = _python(code)
+    assert r.returncode != 0 and "could not import dist_sr" in r.stderr and "deepspeed-hook uninstall" in r.stderr
+    assert _python(code, DIST_SR_DEEPSPEED_HOOK="0").returncode == 0

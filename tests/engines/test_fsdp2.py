@@ -1,0 +1,286 @@
+"""FSDP2 with SR in the all-gather cast, on real FSDP2 over gloo process groups."""
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from dist_sr import stochastic_round
+from dist_sr.numerics.shards import shard_layout
+from dist_sr.replica import tensor_digest
+from tests.dist_utils import run_workers
+from tests.engines.models import tiny_qwen2
+
+pytestmark = pytest.mark.slow
+SEED, STEPS = 1234, 3
+
+
+def build(world_size, replicate=1):
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_sr.engines import fsdp2
+
+    model = tiny_qwen2()
+    ctx = fsdp2.prepare(model, seed=SEED)
+    mesh = fsdp2.FSDP2Config(replicate=replicate).mesh()  # None: plain FSDP over the world
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ctx.track(opt)
+    return model, ctx, opt
+
+
+def batch():
+    g = torch.Generator().manual_seed(7)  # the same batch on every rank: reductions are exact
+    return torch.randint(0, 3, (4, 9), generator=g)
+
+
+def train(model, opt, steps):
+    for _ in range(steps):
+        ids = batch()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return grads
+
+
+def capture_working(model):
+    """The unsharded BF16 weights each module's forward uses, by normalised name."""
+    from dist_sr.numerics.key import normalize_param_name
+
+    seen, handles = {}, []
+    for mod_name, mod in model.named_modules():
+        if not list(mod.parameters(recurse=False)):
+            continue
+
+        def hook(m, args, kwargs, prefix=mod_name):
+            for n, p in m.named_parameters(recurse=False):
+                seen[normalize_param_name(f"{prefix}.{n}" if prefix else n)] = p.detach().clone()
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    ids = batch()
+    model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def check_offsets_against_dtensor(model, world_size):
+    """The global offsets SR uses are DTensor's own: the local piece of arange(numel) starts there."""
+    from torch.distributed.tensor import distribute_tensor
+
+    rank = torch.distributed.get_rank()
+    for name, p in model.named_parameters():
+        index = torch.arange(p.numel()).view(p.shape)
+        local = distribute_tensor(index, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        offset, row_stride, _ = shard_layout(tuple(p.shape), tuple(local.shape), world_size, rank)
+        if local.numel():
+            assert row_stride is None and torch.equal(local.flatten(), torch.arange(offset, offset + local.numel())), name
+
+
+def _bits_worker(rank, world_size, out_dir, replicate=1):
+    from dist_sr.engines import fsdp2
+    from dist_sr.engines.fsdp2 import FSDP2Source
+    from dist_sr.sources import layout_free_digest
+
+    model, ctx, opt = build(world_size, replicate)
+    if replicate == 1:
+        check_offsets_against_dtensor(model, world_size)
+    ctx.record_gathers = True
+    ctx.cache_rounded = False  # every gather rounds afresh: the backward re-gather must reproduce the bits
+    grads = train(model, opt, STEPS)
+    full = fsdp2.full_master(model)
+    working = capture_working(model)
+    assert ctx.step == STEPS and set(working) == set(full)
+    for name, w in working.items():
+        expected = stochastic_round(full[name], seed=SEED, step=STEPS, param=name)
+        assert w.dtype == torch.bfloat16 and torch.equal(w.view(torch.int16), expected.view(torch.int16)), name
+    # gradients are reduced and kept in FP32 on the FP32 shards
+    assert all(g is None or g.dtype == torch.float32 for g in grads)
+    # every gather of a (parameter, step, shard) sent the same bits: forward == backward re-gather
+    by_key = defaultdict(set)
+    counts = defaultdict(int)
+    for name, step, offset, digest in ctx.gathers:
+        by_key[(name, step, offset)].add(digest)
+        counts[(name, step)] += 1
+    assert all(len(d) == 1 for d in by_key.values())
+    layer_keys = [k for k in counts if k[0].startswith("model.layers.") and k[1] < STEPS]
+    assert layer_keys and all(counts[k] >= 2 for k in layer_keys)  # re-gathered in backward
+    digests = {n: tensor_digest(w) for n, w in working.items()}
+    # the digest the trainer and the rollout fleet use, summed from the shards (HSDP: one replica)
+    digests["layout-free"] = layout_free_digest(FSDP2Source(model, ctx, rank, world_size), world_size)
+    if rank == 0:
+        label = f"world{world_size}" + (f"-replicate{replicate}" if replicate > 1 else "")
+        (out_dir / f"{label}.json").write_text(json.dumps(digests, sort_keys=True))
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, digests)
+    assert all(g == digests for g in gathered)  # every rank holds identical working bits
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_working_weights_are_the_keyed_rounding_of_the_full_master(world_size, tmp_path):
+    run_workers(_bits_worker, world_size, tmp_path)
+
+
+def test_world_sizes_1_2_4_give_identical_bf16_weights(tmp_path):
+    # every rank trains on the same batch, so the FP32 reductions are exact and the masters, hence
+    # the keyed BF16 bits, are identical at every step; with different per-rank data the FP32
+    # summation order changes with the world size and later masters may differ in their last bits
+    for world_size in (1, 2, 4):
+        run_workers(_bits_worker, world_size, tmp_path)
+    results = {w: json.loads((tmp_path / f"world{w}.json").read_text()) for w in (1, 2, 4)}
+    assert results[1] == results[2] == results[4]
+
+
+def _save_worker(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    from dist_sr.engines import fsdp2
+
+    model, ctx, opt = build(world_size)
+    train(model, opt, STEPS)
+    dcp.save({"model": fsdp2.sharded_state_dict(model)}, checkpoint_id=str(path / "ckpt"))
+    working = {n: tensor_digest(w) for n, w in capture_working(model).items()}
+    if rank == 0:
+        (path / "sr.json").write_text(json.dumps({"sr": ctx.state_dict(), "working": working}))
+
+
+def _load_worker(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    from dist_sr.engines import fsdp2
+
+    model, ctx, opt = build(world_size)
+    saved = json.loads((path / "sr.json").read_text())
+    state = {"model": fsdp2.sharded_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path / "ckpt"))
+    ctx.load_state_dict(saved["sr"])
+    working = {n: tensor_digest(w) for n, w in capture_working(model).items()}
+    assert working == saved["working"]
+
+
+@pytest.mark.parametrize("load_world", [1, 4])
+def test_dcp_checkpoint_reloads_at_another_world_size_with_identical_bits(load_world, tmp_path):
+    run_workers(_save_worker, 2, tmp_path)
+    run_workers(_load_worker, load_world, tmp_path)
+
+
+def _switch_worker(rank, world_size, precision):
+    import yaml
+
+    from dist_sr.engines import fsdp2
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((root / "configs" / "fsdp2-sr.yaml").read_text())
+    model = tiny_qwen2()
+    ctx = fsdp2.apply_fsdp2(model, precision, doc["fsdp2"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ctx.track(opt)
+    train(model, opt, 2)
+    full = fsdp2.full_master(model)
+    for name, w in capture_working(model).items():
+        if precision == "bf16":
+            expected = full[name].to(torch.bfloat16)  # round-to-nearest, as a plain BF16 FSDP2 cast
+        else:
+            expected = stochastic_round(full[name], seed=ctx.seed, step=2, param=name, mode=ctx.mode)
+        assert torch.equal(w.view(torch.int16), expected.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-dither", {"precision": "bf16-sr", "seed": 1234}])
+def test_precision_switch_selects_the_fsdp2_behaviour(precision):
+    run_workers(_switch_worker, 2, precision)
+
+
+def test_hsdp_gives_the_bits_of_unsharded_rounding(tmp_path):
+    """HSDP (2 replicas x 2 shards): the working weights are the keyed rounding of the full
+    master, identical on all 4 ranks and to a 1-rank run; the layout-free digest counts each
+    element once."""
+    run_workers(_bits_worker, 1, tmp_path)
+    run_workers(_bits_worker, 4, tmp_path, 2)
+    assert json.loads((tmp_path / "world4-replicate2.json").read_text()) == json.loads((tmp_path / "world1.json").read_text())
+
+
+def _pure_worker(rank, world_size, precision, out_dir, replicate=1):
+    """bf16-pure-sr on FSDP2: BF16 shards updated by AdamWSR with the shards' global offsets."""
+    from torch.distributed.tensor import DTensor
+
+    from dist_sr.engines import fsdp2
+
+    model = tiny_qwen2()
+    assert fsdp2.apply_fsdp2(model, precision, {"shard_modules": ["Qwen2DecoderLayer"], "replicate": replicate}) is None
+    opt = fsdp2.pure_bf16_optimizer(model, precision, lr=1e-3)
+    train(model, opt, STEPS)
+    full = {}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.dtype == torch.bfloat16, name  # no FP32 copy anywhere
+        full[name] = p.full_tensor()
+    for state in opt.state.values():
+        assert state["exp_avg"].dtype == opt.moment_dtype and isinstance(state["exp_avg"], DTensor)
+    digests = {n: tensor_digest(t) for n, t in full.items()}
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, {n: tensor_digest(p.to_local()) for n, p in model.named_parameters()})
+    if replicate > 1:  # rank r and r + shards hold the same shard: the replicas agree bit for bit
+        shards = world_size // replicate
+        assert all(gathered[r] == gathered[r % shards] for r in range(world_size))
+    if rank == 0:
+        (out_dir / f"pure-world{world_size}-r{replicate}.json").write_text(json.dumps(digests, sort_keys=True))
+
+
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_pure_bf16_adamw_sr_sharded_equals_unsharded_at_world_sizes_1_2_4_and_hsdp(moment_dtype, tmp_path):
+    """The sharded pure-BF16 run holds, bit for bit, the weights of the single-process AdamWSR."""
+    from dist_sr import apply_precision
+    from dist_sr.optim import AdamWSR
+
+    precision = {"precision": "bf16-pure-sr", "seed": SEED, "moment_dtype": moment_dtype}
+    runs = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, replicate): the last is HSDP 2 x 2
+    for world_size, replicate in runs:
+        run_workers(_pure_worker, world_size, precision, tmp_path, replicate)
+    model = tiny_qwen2()
+    tp = apply_precision(model, precision, AdamWSR, lr=1e-3)
+    train(model, tp.optimizer, STEPS)
+    expected = {n: tensor_digest(p.detach()) for n, p in model.named_parameters()}
+    for world_size, replicate in runs:
+        got = json.loads((tmp_path / f"pure-world{world_size}-r{replicate}.json").read_text())
+        assert got == expected, (world_size, replicate)
+
+
+def _column_shard_worker(rank, world_size):
+    """AdamWSR on DTensors sharded on a non-leading dim (uneven, one empty shard) == unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dist_sr.optim import AdamWSR
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w2d": (6, 10), "w3d": (2, 5, 3), "tiny": (4, 2)}  # 2 columns over 4 ranks: two empty shards
+    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()} for _ in range(3)]
+    plain = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    sharded = {n: torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(1)])) for n, t in full.items()}
+    opts = [AdamWSR(list(ps.items()), lr=1e-2, seed=9, moment_dtype="bf16") for ps in (plain, sharded)]
+    for step_grads in grads:
+        for n in shapes:
+            plain[n].grad = step_grads[n].clone()
+            sharded[n].grad = distribute_tensor(step_grads[n].clone(), mesh, [Shard(1)])
+        for opt in opts:
+            opt.step()
+    for n in shapes:
+        assert torch.equal(sharded[n].full_tensor().view(torch.int16), plain[n].detach().view(torch.int16)), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opts[1].state[sharded[n]][k].full_tensor(), opts[0].state[plain[n]][k]), (n, k)
+
+
+def test_adamw_sr_on_column_sharded_dtensors_equals_unsharded():
+    run_workers(_column_shard_worker, 4)
+
+
+def test_fsdp2_config_errors():
+    from dist_sr.engines import fsdp2
+
+    with pytest.raises(ValueError, match="unknown field"):
+        fsdp2.FSDP2Config.from_dict({"shard": ["x"]})

