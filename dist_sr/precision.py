@@ -201,8 +201,16 @@ class TrainingPrecision:
         return StickingMeter([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
 
     def digest(self) -> str:
-        """Combined digest of the working weights (what forward passes and rollouts use)."""
+        """Combined digest of the working weights as they are (what forward passes and rollouts use)."""
         return combined_digest(weight_digests(self.model))
+
+    def expected_digest(self) -> str:
+        """The same digest of the working weights re-derived from the FP32 shadows with the rounding
+        key: an independent path to the bits ``digest`` reads (equal unless the working weights went
+        wrong). Without shadows (fp32, pure BF16) the weights are the state: ``digest``."""
+        if not isinstance(self.optimizer, ShadowOptimizer):
+            return self.digest()
+        return combined_digest(weight_digests(self.optimizer.derived_working()))
 
     def state_dict(self) -> dict[str, Any]:
         return {"precision": dataclasses.asdict(self.config), "optimizer": self.optimizer.state_dict()}

@@ -103,3 +103,44 @@ def test_precision_state_round_trips():
     assert tp2.digest() == tp.digest()
     with pytest.raises(ValueError, match="checkpoint precision"):
         apply_precision(regression_model(), "bf16", lr=1e-3).load_state_dict(state)
+
+
+@pytest.mark.parametrize("precision,mode", [("bf16", "nearest"), ("bf16-sr", "stochastic"), ("bf16-dither", "dither")])
+def test_the_switch_builds_the_named_rounding_and_keeps_working_equal_to_the_keyed_shadow(precision, mode):
+    """The working weights after each step are the rounding the precision names, keyed by the
+    configured seed, the step and the parameter name, computed here from the plain definition."""
+    from dist_sr import stochastic_round
+    from tests.conftest import bits16
+
+    model = regression_model()
+    tp = apply_precision(model, {"precision": precision, "seed": 1234}, torch.optim.AdamW, lr=3e-3)
+    assert (tp.optimizer.mode, tp.optimizer.seed) == (mode, 1234)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    for step in (1, 2, 3):
+        tp.zero_grad()
+        tp.backward(model(x.bfloat16()).float().pow(2).mean())
+        tp.step()
+        for name, p, s in tp.optimizer.named_shadows():
+            want = stochastic_round(s, seed=1234, step=step, param=name, backend="reference", mode=mode)
+            assert torch.equal(bits16(p.data), bits16(want)), (precision, step, name)
+    assert tp.digest() == tp.expected_digest()
+
+
+def test_the_pure_switch_builds_adamw_sr_with_the_configured_seed_and_moments():
+    tp = apply_precision(regression_model(), {"precision": "bf16-pure-sr", "seed": 99, "moment_dtype": "bf16"},
+                         torch.optim.AdamW, lr=1e-3)
+    assert isinstance(tp.optimizer, AdamWSR) and tp.optimizer.seed == 99
+    assert tp.optimizer.moment_dtype == torch.bfloat16
+
+
+def test_expected_digest_sees_a_working_weight_that_left_its_shadow():
+    """digest() reads the working weights; expected_digest() re-derives them from the shadows: a
+    flipped bit in a working weight (a lost write, a stray in-place op) makes them differ."""
+    model = regression_model()
+    tp = apply_precision(model, {"precision": "bf16-sr", "seed": 3}, torch.optim.AdamW, lr=3e-3)
+    tp.backward(model(torch.randn(4, 8).bfloat16()).float().sum())
+    tp.step()
+    assert tp.digest() == tp.expected_digest()
+    w = next(model.parameters())
+    w.data.view(torch.int16)[0, 0] ^= 1
+    assert tp.digest() != tp.expected_digest()

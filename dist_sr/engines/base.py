@@ -3,8 +3,9 @@ caller) talks to, the settings an engine is built from, and the process-group se
 
 An engine owns a model's training step under one precision: ``module`` (forward and
 generation), ``backward``, ``step`` (clip + optimizer step; returns the pre-clip gradient norm
-and whether the step was taken), ``digest`` (of the working weights the forward uses;
-collective), ``weight_source`` (those weights as HF-named tensors, for rollout engines),
+and whether the step was taken), ``digest`` (of the working weights as the forward uses them;
+collective), ``expected_digest`` (the same weights re-derived from the FP32 masters with the
+rounding key, by an independent path; collective), ``weight_source`` (those weights as HF-named tensors, for rollout engines),
 ``meter`` (sticking metrics where the working weights are local), ``save``/``load``,
 ``rank``/``world``.
 """
@@ -58,6 +59,8 @@ class TrainingEngine(Protocol):
     def step(self) -> tuple[float, bool]: ...
 
     def digest(self) -> str: ...
+
+    def expected_digest(self) -> str: ...
 
     def weight_source(self) -> WeightSource: ...
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..numerics import RoundingBatch, RoundingJob, backends
+from ..numerics import RoundingBatch, RoundingJob, backends, stochastic_round
 from ..numerics.fused import AdamWPiece, AdamWPlan
 from ..numerics.key import check_key_state, check_mode, normalize_param_name
 from .counter import CountsSteps, StepCounter
@@ -214,6 +214,20 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
                 self._batch = RoundingBatch([RoundingJob(n, s, p) for n, p, s in self._pairs
                                              if p.dtype == torch.bfloat16], backend=self.backend)
         return self._batch
+
+    def derived_working(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, round(shadow))`` for every parameter, computed afresh from the shadows with the
+        rounding key (not read from the working weights): what they must hold."""
+        out = []
+        with torch.no_grad():
+            for n, p, s in self._pairs:
+                if p.dtype == torch.bfloat16:
+                    w = stochastic_round(s, seed=self.seed, step=self.step_count, param=n, mode=self.mode,
+                                         backend=self.backend)
+                else:
+                    w = s.to(p.dtype)
+                out.append((n, w))
+        return out
 
     # -- access ------------------------------------------------------------------------------
 

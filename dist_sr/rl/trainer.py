@@ -1,8 +1,9 @@
 """The GRPO training loop, top to bottom: rollouts, rewards, loss, step, metrics, checkpoints.
 
 Under every precision the rollout engine generates with the trainer's working weights; every
-``rollout.verify_every`` steps the digest the rollouts carry is checked against the trainer's
-own digest of the weights its forward pass is about to use.
+``rollout.verify_every`` steps the digest the rollouts carry (of the weights they were generated
+with) is checked against the digest of the working weights re-derived from the FP32 masters with
+the rounding key: two independent paths to the same bits.
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
         rollout = make_engine(trainer.module, tokenizer)
     else:
         rollout = make_rollout_engine(cfg.rollout, trainer, tokenizer, device=device, sharded=sharded)
-    own_digest = getattr(rollout, "trainer_digest", trainer.digest)  # the digest kind the engine reports
+    # what the rollouts' weights must be: re-derived from the masters (an engine whose digest is of
+    # another kind supplies the trainer's digest in that kind)
+    own_digest = getattr(rollout, "trainer_digest", trainer.expected_digest)
     writer = MetricsWriter(out_dir, keep_until_step=start if resume else None) if rank == 0 else None
     eval_set = fixed_examples(task, cfg.eval.num_prompts, cfg.eval.seed)
     per_rank = len(eval_set) // world

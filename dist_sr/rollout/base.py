@@ -4,9 +4,11 @@ returns (``Rollouts``), the registry of engines, and prompt encoding shared by a
 An engine holds a copy of the policy's working weights (or, for the embedded engine, *is* the
 policy), generates completions, and tags every batch with the weight version it used and, when
 asked, the digest of those weights, so the trainer can prove that rollouts and training saw the
-same bits. An engine whose digest is not the training engine's own ``digest()`` (vLLM reports the
-layout-free digest of what it received) also provides ``trainer_digest()``: the trainer's
-weights digested the same way.
+same bits. The trainer compares that digest with the training engine's ``expected_digest()``
+(the working weights re-derived from the FP32 masters, a path independent of the bits the engine
+holds). An engine whose digest is of another kind also provides ``trainer_digest()``: the
+trainer's weights digested that way (vLLM: the layout-free digest of the weights the trainer
+sends, computed from its own pieces, against what the engine reports it received).
 """
 
 from __future__ import annotations

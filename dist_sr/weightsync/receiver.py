@@ -6,6 +6,8 @@ arriving while the current one loads), hands full HF-named tensors to a load fun
 the report the trainer verifies. ``python -m dist_sr.weightsync.receiver --port P`` serves the same
 HTTP routes as a vLLM engine in dev mode but only receives (and keeps) the tensors: a real
 receiving process for measuring the transport without vLLM's reload cost (bench/weight_sync.py).
+``--corrupt NAME`` makes it a faulty engine: it flips one bit of tensor ``NAME`` as it loads it
+(and reports the bits it holds), so the trainer's digest check can be exercised without vLLM.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import logging
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
 
 from ..numerics.backends import cpu
 from ..numerics.digest import tensor_sums
@@ -37,7 +41,7 @@ class InitInfo:
 
 
 class WeightReceiver:
-    def __init__(self):
+    def __init__(self, corrupt: str | None = None):
         # digests of received (CPU) buckets take the C++ pass once it is loaded (built in the
         # background the first time in an environment; scripts/setup_vllm.sh builds it ahead)
         cpu.warm_up_in_background()
@@ -46,6 +50,7 @@ class WeightReceiver:
         self.rank: int | None = None
         self.received: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self.state = {"version": None, "digests": {}, "complete": False}
+        self.corrupt = corrupt  # fault injection: the tensor whose first element gets one bit flipped
 
     def init(self, info: InitInfo, worker_index: int = 0) -> None:
         self.shutdown()
@@ -67,6 +72,8 @@ class WeightReceiver:
         if plan.senders != len(self.groups):
             raise RuntimeError(f"sync plan has {plan.senders} sender(s) but this engine joined {len(self.groups)}")
         for tensors in receive_buckets(self.groups, plan.buckets):  # bucket i+1 arrives while i loads
+            if self.corrupt is not None:
+                tensors = [(n, _flip_one_bit(t) if n == self.corrupt else t) for n, t in tensors]
             if plan.digest:
                 self.received.update(tensor_sums(dict(tensors)))
             load(tensors)
@@ -87,6 +94,12 @@ class WeightReceiver:
             except Exception:  # a group whose peers are gone cannot shut down cleanly
                 pass
         self.groups, self.store = {}, None
+
+
+def _flip_one_bit(t):
+    t = t.clone()
+    t.reshape(-1)[:1].view(torch.uint8)[0] ^= 1
+    return t
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -135,8 +148,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self._reply(200, {"status": "ok"})
 
 
-def serve(port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"receiver": WeightReceiver(), "tensors": {}})
+def serve(port: int, host: str = "127.0.0.1", corrupt: str | None = None) -> ThreadingHTTPServer:
+    handler = type("Handler", (_Handler,), {"receiver": WeightReceiver(corrupt), "tensors": {}})
     return ThreadingHTTPServer((host, port), handler)
 
 
@@ -144,8 +157,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="A bare dist-sr weight receiver (vLLM's weight routes, no model).")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--corrupt", metavar="NAME", help="fault injection (tests): flip one bit of tensor NAME as it "
+                    "is loaded, so this receiver holds and reports wrong bits")
     args = ap.parse_args()
-    serve(args.port, args.host).serve_forever()
+    serve(args.port, args.host, args.corrupt).serve_forever()
 
 
 if __name__ == "__main__":

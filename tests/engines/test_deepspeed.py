@@ -262,3 +262,57 @@ def _repo_config_worker(rank, world_size, path):
 @pytest.mark.parametrize("path", REPO_CONFIGS, ids=lambda p: p.stem)
 def test_repo_deepspeed_configs_train_with_keyed_sr(path):
     run_workers(_repo_config_worker, 2, path)
+
+
+def _our_engine(stage=2):
+    from dist_sr.engines.config import DistributedConfig
+    from dist_sr.engines.deepspeed.engine import DeepSpeedEngine
+    from dist_sr.engines.base import TrainSettings
+    from dist_sr.precision import PrecisionConfig
+
+    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED),
+                             distributed=DistributedConfig(engine="deepspeed", zero_stage=stage), lr=1e-2,
+                             batch_per_rank=2)
+    return DeepSpeedEngine(settings, tiny_qwen2())
+
+
+def _guard_save_worker(rank, world_size, path):
+    eng = _our_engine()
+    ids = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(7))
+    for step in (1, 2):
+        eng.backward(eng.module(input_ids=ids, labels=ids).loss)
+        eng.step()
+    assert eng.digest() == eng.expected_digest()
+    eng.save(path, 2)
+    # one flipped bit of a working weight (on every replica: replica divergence has its own
+    # check): the held bits and the masters' rounding differ, and the save is refused before
+    # anything is written
+    with torch.no_grad():
+        eng.module.lm_head.weight.view(torch.int16)[1, 2] ^= 1
+    assert eng.digest() != eng.expected_digest()
+    with pytest.raises(RuntimeError, match="not saving step 3: the BF16 working weights .* are not the keyed rounding"):
+        eng.save(path, 3)
+    assert not (path / "deepspeed" / "step3").exists() and (path / "deepspeed" / "latest").read_text() == "step2"
+
+
+def _guard_load_worker(rank, world_size, path, expect_error):
+    eng = _our_engine()
+    if expect_error:
+        with pytest.raises(RuntimeError, match=r"step2/mp_rank_00_model_states.pt: after loading, the working weights have digest .* the checkpoint recorded"):
+            eng.load(path)
+    else:
+        assert eng.load(path) == 2 and eng.digest() == eng.expected_digest()
+
+
+@pytest.mark.slow
+def test_our_deepspeed_checkpoints_are_verified_on_save_and_on_load(tmp_path):
+    """A checkpoint is written only from a consistent state, loads back verified, and a flipped bit
+    in a stored FP32 master (re-rounded on load) is refused by the digest recorded at save time."""
+    run_workers(_guard_save_worker, 2, tmp_path)
+    run_workers(_guard_load_worker, 2, tmp_path, False)
+    (optim,) = sorted((tmp_path / "deepspeed" / "step2").glob("*zero_pp_rank_0_*optim_states.pt"))
+    state = torch.load(optim, weights_only=False)
+    flat = state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    flat.view(torch.int32)[5] ^= 1 << 20  # a bit high in the mantissa: the rounding changes
+    torch.save(state, optim)
+    run_workers(_guard_load_worker, 2, tmp_path, True)

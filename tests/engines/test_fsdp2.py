@@ -168,7 +168,7 @@ def test_dcp_checkpoint_reloads_at_another_world_size_with_identical_bits(load_w
     run_workers(_load_worker, load_world, tmp_path)
 
 
-def _switch_worker(rank, world_size, precision):
+def _switch_worker(rank, world_size, precision, mode, seed):
     import yaml
 
     from dist_sr.engines import fsdp2
@@ -177,21 +177,25 @@ def _switch_worker(rank, world_size, precision):
     doc = yaml.safe_load((root / "configs" / "fsdp2-sr.yaml").read_text())
     model = tiny_qwen2()
     ctx = fsdp2.apply_fsdp2(model, precision, doc["fsdp2"])
+    assert (ctx.mode, ctx.seed) == (mode, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     ctx.track(opt)
     train(model, opt, 2)
     full = fsdp2.full_master(model)
     for name, w in capture_working(model).items():
-        if precision == "bf16":
+        if mode == "nearest":
             expected = full[name].to(torch.bfloat16)  # round-to-nearest, as a plain BF16 FSDP2 cast
         else:
-            expected = stochastic_round(full[name], seed=ctx.seed, step=2, param=name, mode=ctx.mode)
+            expected = stochastic_round(full[name], seed=seed, step=2, param=name, mode=mode, backend="reference")
         assert torch.equal(w.view(torch.int16), expected.view(torch.int16)), name
 
 
-@pytest.mark.parametrize("precision", ["bf16", "bf16-dither", {"precision": "bf16-sr", "seed": 1234}])
-def test_precision_switch_selects_the_fsdp2_behaviour(precision):
-    run_workers(_switch_worker, 2, precision)
+@pytest.mark.parametrize("precision,mode,seed", [("bf16", "nearest", 0), ("bf16-dither", "dither", 0),
+                                                 ({"precision": "bf16-sr", "seed": 1234}, "stochastic", 1234)])
+def test_precision_switch_selects_the_fsdp2_behaviour(precision, mode, seed):
+    """The rounding each precision names, with the configured seed (literals, not read back from
+    the object under test), in the bits the all-gather delivers."""
+    run_workers(_switch_worker, 2, precision, mode, seed)
 
 
 def test_hsdp_gives_the_bits_of_unsharded_rounding(tmp_path):
@@ -284,3 +288,46 @@ def test_fsdp2_config_errors():
 
     with pytest.raises(ValueError, match="unknown field"):
         fsdp2.FSDP2Config.from_dict({"shard": ["x"]})
+
+
+def _digest_paths_worker(rank, world_size):
+    """FSDP2Engine.digest() reads the BF16 shards the all-gathers were handed; expected_digest()
+    re-rounds the FP32 masters. They agree after a forward; a master changed behind the
+    forward's back (the weights the model used are stale), or not gathered since its update,
+    makes them differ until the next forward that rounds it."""
+    from dist_sr.engines.base import TrainSettings
+    from dist_sr.engines.config import DistributedConfig
+    from dist_sr.engines.fsdp2.engine import FSDP2Engine
+    from dist_sr.precision import PrecisionConfig
+
+    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED), lr=1e-3,
+                             distributed=DistributedConfig(engine="fsdp2", fsdp2={"shard_modules": ["Qwen2DecoderLayer"]}))
+    eng = FSDP2Engine(settings, tiny_qwen2())
+    ids = batch()
+    for _ in range(2):
+        eng.backward(eng.module(input_ids=ids, labels=ids).loss)
+        eng.step()
+    with torch.no_grad():
+        eng.module(input_ids=ids)
+    assert eng.digest() == eng.expected_digest()
+    # a master written without the forward seeing it (on every rank's shard of it)
+    with torch.no_grad():
+        local = eng.module.model.norm.weight.to_local()
+        if local.numel():
+            local.add_(0.5)
+    assert eng.digest() != eng.expected_digest()
+    with torch.no_grad():  # without masters_changed() the forward still uses the cached shards: still caught
+        eng.module(input_ids=ids)
+    assert eng.digest() != eng.expected_digest()
+    eng.ctx.masters_changed()
+    with torch.no_grad():
+        eng.module(input_ids=ids)
+    assert eng.digest() == eng.expected_digest()
+    # an update the forward has not gathered yet
+    eng.backward(eng.module(input_ids=ids, labels=ids).loss)
+    eng.step()
+    assert eng.digest() != eng.expected_digest()
+
+
+def test_the_gathered_bits_and_the_masters_rounding_are_two_independent_digests():
+    run_workers(_digest_paths_worker, 2)

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ...optim import StickingMeter, optimizer_class
-from ...sources import ReplicatedSource, WeightSource, layout_free_digest
+from ...numerics.digest import combine
+from ...sources import ReplicatedSource, WeightSource, add_rank_sums, layout_free_digest
 from ..base import TrainSettings
 from ..checkpoints import prune_checkpoints
 from .config import config_for_precision
@@ -62,6 +63,14 @@ class DeepSpeedEngine:
         of the replicas, or its ZeRO-3 partitions; nothing is gathered); collective."""
         return layout_free_digest(self.weight_source(), self.world)
 
+    def expected_digest(self) -> str:
+        """The same digest of the working weights re-derived from the FP32 master partitions with the
+        rounding key (each rank rounds its share; nothing is gathered); without SR, ``digest``."""
+        sr = getattr(self.engine, "dist_sr", None)
+        if sr is None:
+            return self.digest()
+        return combine(add_rank_sums(sr.master_sums(), self.weight_source().metadata(), self.world))
+
     def weight_source(self) -> WeightSource:
         if self.zero3:
             return ZeRO3Source(self.module, self.rank, self.world)
@@ -69,8 +78,14 @@ class DeepSpeedEngine:
 
     def save(self, path: Path, step: int) -> None:
         """DeepSpeed's own checkpoint (it writes ``latest`` only after the tag is complete) plus
-        the working weights' digest; tags beyond the newest ``KEEP_CHECKPOINTS`` are removed."""
-        digest = self.digest()
+        the working weights' digest; tags beyond the newest ``KEEP_CHECKPOINTS`` are removed.
+
+        Refused (before anything is written, so the previous checkpoint stays the one ``load``
+        finds) when the BF16 working weights are not the keyed rounding of the FP32 masters."""
+        digest, expected = self.digest(), self.expected_digest()  # collective
+        if digest != expected:
+            raise RuntimeError(f"not saving step {step}: the BF16 working weights (digest {digest}) are not the keyed "
+                               f"rounding of the FP32 masters ({expected}); the previous checkpoint is kept")
         root = path / "deepspeed"
         self.engine.save_checkpoint(str(root), tag=f"step{step}",
                                     client_state={"dist_sr_step": step, "dist_sr_digest": digest})
@@ -80,13 +95,21 @@ class DeepSpeedEngine:
         dist.barrier()
 
     def load(self, path: Path) -> int | None:
+        """The checkpoint DeepSpeed's ``latest`` names; refused unless the loaded working weights and
+        the rounding of the loaded masters both have the digest recorded at save time."""
         if not (path / "deepspeed" / "latest").exists():
             return None
         tag, client = self.engine.load_checkpoint(str(path / "deepspeed"))  # the tag DeepSpeed's 'latest' names
+        if tag is None:
+            raise RuntimeError(f"{path / 'deepspeed'}: DeepSpeed found no loadable checkpoint at the tag 'latest' names")
         if self.meter is not None:
             self.meter.sync_previous()
-        digest = self.digest()
-        if "dist_sr_digest" in client and digest != client["dist_sr_digest"]:
-            raise RuntimeError(f"{tag}: working weights after loading have digest {digest}, the checkpoint recorded "
-                               f"{client['dist_sr_digest']}")
+        if "dist_sr_digest" not in client:
+            raise RuntimeError(f"{tag}: the checkpoint records no dist_sr_digest; it was not written by dist-sr's "
+                               "DeepSpeed engine, so its weights cannot be verified")
+        digest, expected = self.digest(), self.expected_digest()
+        if digest != client["dist_sr_digest"] or expected != client["dist_sr_digest"]:
+            raise RuntimeError(f"{tag}: after loading, the working weights have digest {digest} and the rounding of the "
+                               f"FP32 masters {expected}; the checkpoint recorded {client['dist_sr_digest']} "
+                               "(a corrupted or foreign checkpoint)")
         return int(client["dist_sr_step"])

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from ...numerics import RoundingBatch, RoundingJob
+from ...numerics import RoundingBatch, RoundingJob, stochastic_round
+from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
 from .config import CONFIG_KEY, SRConfig, load_ds_config, split_config
 from .version import UnsupportedDeepSpeed, check_version
@@ -182,6 +183,17 @@ class DeepSpeedSR:
         """Re-derive every BF16 weight from the FP32 master under the current key (collective)."""
         self.layout.resync()
 
+    @torch.no_grad()
+    def master_sums(self) -> dict[str, int]:
+        """Layout-free digest sums of this rank's share of the working weights re-derived from the
+        FP32 masters with the key (the ranks' shares are disjoint): what the BF16 copies must be."""
+        sums: dict[str, int] = {}
+        for name, hp, offset in self.layout.master_pieces():
+            bits = stochastic_round(hp.detach().reshape(-1), seed=self.seed, step=self.step, param=name,
+                                    offset=offset, mode=self.mode)
+            sums[name] = (sums.get(name, 0) + piece_sum(bits, offset)) & ((1 << 64) - 1)
+        return sums
+
 
 class Layout:
     """Where one kind of DeepSpeed optimizer keeps its masters and BF16 partitions, and which copy
@@ -191,6 +203,10 @@ class Layout:
         self.sr, self.opt = sr, sr.optimizer
 
     def round_local(self) -> None:
+        raise NotImplementedError
+
+    def master_pieces(self):
+        """``(name, FP32 master piece, global offset)`` this rank counts in a digest."""
         raise NotImplementedError
 
     def after_step(self) -> None:
@@ -208,6 +224,11 @@ class PairsLayout(Layout):
 
     def pairs(self):
         raise NotImplementedError
+
+    def master_pieces(self):
+        """``(name, FP32 master piece, global offset)`` this rank counts in a digest."""
+        for name, hp, _, offset in self.pairs():
+            yield name, hp, offset
 
     def round_local(self) -> None:
         self.sr.run("local", lambda: tuple((hp.data_ptr(), lp.data_ptr(), hp.numel(), offset)
@@ -227,6 +248,10 @@ class Stage0Layout(PairsLayout):
     def after_step(self) -> None:
         if not self.opt.overflow:
             self.round_local()
+
+    def master_pieces(self):
+        if self.sr.engine.global_rank == 0:  # every rank holds every master: count them once
+            yield from super().master_pieces()
 
     def resync(self) -> None:
         self.round_local()
@@ -275,6 +300,11 @@ class Zero3Layout(Layout):
     def round_local(self) -> None:
         for sub_group_id in range(len(self.opt.fp16_groups)):
             self.round_sub_group(sub_group_id)
+
+    def master_pieces(self):
+        for sub_group_id in range(len(self.opt.fp16_groups)):
+            for job in self.jobs(sub_group_id):
+                yield job.param, job.x, job.offset
 
     def round_sub_group(self, sub_group_id: int) -> None:
         opt = self.opt

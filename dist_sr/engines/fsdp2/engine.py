@@ -15,12 +15,13 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from ...config import ConfigError
 from ...optim import optimizer_class
-from ...sources import layout_free_digest
+from ...numerics.digest import combine
+from ...sources import add_rank_sums, layout_free_digest
 from ..base import TrainSettings
 from ..checkpoints import prune_checkpoints, write_atomic
 from .apply import apply_fsdp2, pure_bf16_optimizer
 from .hook import sharded_state_dict
-from .source import FSDP2Source
+from .source import FSDP2Source, sent_sums
 
 
 class FSDP2Engine:
@@ -51,9 +52,18 @@ class FSDP2Engine:
         return float(norm), True
 
     def digest(self) -> str:
-        """Layout-free digest of the working weights: with SR, the keyed rounding of each local FP32
-        shard (the bits the next all-gather sends); otherwise the local shards as they are (FP32
-        masters, or bf16-pure-sr's BF16 parameters). Nothing is gathered; collective."""
+        """Layout-free digest of the working weights as the forward used them: with SR, the BF16
+        shards this rank handed to the all-gathers at the current key (a parameter not gathered
+        since its update makes the digest differ); otherwise the local shards as they are.
+        Nothing is gathered; collective."""
+        if self.ctx is None or not self.ctx.cache_rounded:
+            return self.expected_digest()
+        source = FSDP2Source(self.module, self.ctx, self.rank, self.world, as_bf16=False)
+        return combine(add_rank_sums(sent_sums(self.module, self.ctx), source.metadata(), self.world))
+
+    def expected_digest(self) -> str:
+        """The same digest of the working weights re-derived from the local FP32 shards with the
+        rounding key (FP32 masters or bf16-pure-sr's BF16 parameters as they are without SR)."""
         return layout_free_digest(FSDP2Source(self.module, self.ctx, self.rank, self.world, as_bf16=False), self.world)
 
     def weight_source(self) -> FSDP2Source:
@@ -81,7 +91,7 @@ class FSDP2Engine:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         dcp.save(self._state(), checkpoint_id=str(tmp))
-        digest = self.digest()  # collective: every rank takes part
+        digest = self.expected_digest()  # collective: every rank takes part
         dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:
             meta = {"step": step, "world": self.world, "digest": digest, "sr": self.ctx.state_dict() if self.ctx else None,
@@ -109,7 +119,7 @@ class FSDP2Engine:
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         if self.ctx is not None:
             self.ctx.load_state_dict(meta["sr"])  # the key's step; invalidates cached rounded shards
-        digest = self.digest()
+        digest = self.expected_digest()
         if digest != meta["digest"]:
             raise RuntimeError(f"{ckpt}: working weights re-derived from the loaded masters have digest {digest}, "
                                f"the checkpoint recorded {meta['digest']} (saved by {meta['world']} ranks)")

@@ -56,6 +56,17 @@ class SRContext:
     # (the bits are the same by construction); costs one BF16 copy of each local shard.
     cache_rounded: bool = True
     version: int = 0  # bumped whenever the masters may have changed: invalidates cached shards
+    # name -> ((step, version), BF16 shard, global offset) last handed to the all-gather. Kept
+    # here, not on the parameter: FSDP2 calls the hook on its own view of the sharded storage.
+    rounded: dict[str, tuple[tuple[int, int], torch.Tensor, int]] = field(default_factory=dict)
+
+    def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
+        """``(BF16 shard, global offset)`` this rank last handed to the all-gather for ``name``,
+        if that was at the current key (the bits the forward pass used), else None."""
+        cached = self.rounded.get(name)
+        if cached is None or cached[0] != (self.step, self.version):
+            return None
+        return cached[1], cached[2]
 
     def track(self, optimizer: torch.optim.Optimizer):
         """Advance the key's step after every ``optimizer.step()``; returns the hook handle."""
@@ -141,11 +152,11 @@ class SRShadowParam(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """The BF16 all-gather input: this rank's (padded) shard, rounded with global indices."""
         ctx = self._ctx
-        cached = getattr(self, "_rounded", None)
-        if ctx.cache_rounded and cached is not None and cached[0] == (ctx.step, ctx.version):
-            bf16 = cached[1]
+        cached = ctx.sent(self._name) if ctx.cache_rounded else None
+        if cached is not None:
+            bf16 = cached[0]
             if ctx.record_gathers:
-                ctx.gathers.append((self._name, ctx.step, cached[2], tensor_digest(bf16)))
+                ctx.gathers.append((self._name, ctx.step, cached[1], tensor_digest(bf16)))
             return (bf16,), None
         local = self._data
         world, rank = mesh.size(), mesh.get_local_rank()
@@ -157,7 +168,7 @@ class SRShadowParam(torch.Tensor):
         bf16 = stochastic_round(local, seed=ctx.seed, step=ctx.step, param=self._name, offset=offset,
                                 mode=ctx.mode, row_stride=row_stride, backend=ctx.backend)
         if ctx.cache_rounded:
-            self._rounded = ((ctx.step, ctx.version), bf16, offset)
+            ctx.rounded[self._name] = ((ctx.step, ctx.version), bf16, offset)
         if ctx.record_gathers:
             ctx.gathers.append((self._name, ctx.step, offset, tensor_digest(bf16)))
         return (bf16,), None

@@ -7,11 +7,36 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ...numerics import stochastic_round
-from ...numerics.digest import dtype_name
+from ...numerics.digest import dtype_name, piece_sum
 from ...numerics.key import normalize_param_name
 from ...numerics.shards import local_shard, replica_slot, split_range
 from ...sources import LocalPiece, Meta
-from .hook import plain
+from .hook import SRShadowParam, plain
+
+
+@torch.no_grad()  # DTensor.to_local() then returns the local tensor itself, not an autograd view
+def sent_sums(module: torch.nn.Module, ctx) -> dict[str, int]:
+    """Layout-free digest sums of the BF16 shards this rank handed to the all-gathers at the
+    current key: the working weights as the forward pass used them, read from what was sent, not
+    re-derived. A parameter not gathered since its last update is left out (so a digest over it
+    cannot match). Under HSDP one rank per replica group counts, so each element counts once."""
+    sums = {}
+    for name, p in module.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        sent = ctx.sent(normalize_param_name(name)) if isinstance(local, SRShadowParam) else None
+        if sent is None or replica_slot(p)[0] != 0:
+            continue
+        bits, offset = sent
+        rows = local_shard(p)[2]
+        n = local.numel()
+        if rows is None:
+            sums[normalize_param_name(name)] = piece_sum(bits.reshape(-1)[:n], offset)
+        else:  # a column shard: each row of the local block is a contiguous span of the parameter
+            row_len, row_stride = rows
+            flat = bits.reshape(n // row_len, -1)[:, :row_len].reshape(-1)
+            sums[normalize_param_name(name)] = sum(piece_sum(flat[r * row_len:(r + 1) * row_len], offset + r * row_stride)
+                                                   for r in range(n // row_len)) & ((1 << 64) - 1)
+    return sums
 
 
 class FSDP2Source:
