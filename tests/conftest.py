@@ -7,6 +7,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytest_plugins = ["tests.ci_skips"]  # under CI=true a skip (other than "no CUDA device") fails
+
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; this must be set
 # before any kernel is defined (at import of dist_sr.numerics.backends.triton.kernels).
 if not torch.cuda.is_available():

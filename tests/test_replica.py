@@ -29,6 +29,7 @@ def _ddp_worker(rank, world_size, precision, steps):
     names = [(f"module.{n}", p) for n, p in model.named_parameters()]  # as DDP's state dict names them
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     checker = ReplicaChecker(names, every=10)
+    before = weight_digests(names)
     for step in range(1, steps + 1):
         x = torch.randn(16, 32, generator=g).to(torch.bfloat16)
         loss = ddp(x).float().pow(2).mean()
@@ -37,8 +38,12 @@ def _ddp_worker(rank, world_size, precision, steps):
         tp.step()
         checker.maybe_check(step)
     digest = check_replicas(names)
-    # the weights did move, and every element is the keyed rounding of identical state
+    # the weights did move (every parameter), and every element is the keyed rounding of the
+    # shadows (read back vs re-derived), the same on every rank
     assert tp.optimizer.step_count == steps
+    after = weight_digests(names)
+    assert all(after[n] != before[n] for n in before), [n for n in before if after[n] == before[n]]
+    assert tp.digest() == tp.expected_digest()
     gathered = [None] * world_size
     dist.all_gather_object(gathered, digest)
     assert len(set(gathered)) == 1

@@ -1,6 +1,5 @@
 """Rendered Kubernetes manifests: schema-valid, and consistent with the entry point they start."""
 
-import argparse
 import json
 import re
 import shlex
@@ -159,13 +158,19 @@ def test_committed_manifests_match_a_fresh_render(tmp_path, monkeypatch):
         assert (committed / path.name).read_text() == path.read_text(), f"{path.name} is stale: {fix}"
 
 
-def test_a_world_the_config_cannot_use_fails_at_render_time(tmp_path):
+def test_a_world_the_config_cannot_use_fails_at_render_time(tmp_path, capsys):
+    out = tmp_path / "manifests"
     assert k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=3",
-                     "-o", str(tmp_path)]) == 2
+                     "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "prompts_per_step=32 does not split over world size 3" in err and "multiple of 3" in err
+    assert not out.exists()  # nothing half-rendered
     with pytest.raises(ConfigError, match="DNS-1035"):
         k8s.load_for_cluster(build_parser().parse_args(["--set", "cluster.name=Bad_Name"]))
-    assert not list(tmp_path.iterdir())
-    assert isinstance(build_parser().parse_args([]), argparse.Namespace)
+    # the same config at a world it splits over renders
+    assert k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=2",
+                     "-o", str(out)]) == 0
+    assert list(out.iterdir())
 
 
 def test_the_image_provides_what_the_manifests_run(tmp_path):

@@ -95,6 +95,35 @@ def test_shadow_adamw_tracks_shadow_optimizer_and_shares_its_checkpoints():
         assert torch.equal(bits16(pa.data), bits16(pc.data))
 
 
+def test_shadow_adamw_clipping_scales_the_update_like_clipping_the_shadow_gradients():
+    """Clipping that binds (max_norm far below every step's norm) must scale the update as
+    ShadowOptimizer(AdamW) does after clipping the FP32 gradients. With eps comparable to the
+    gradients the update is not scale-free, so an unscaled update is far from the clipped one."""
+    a, b = twin_models()
+    c, _ = twin_models()
+    kw = dict(lr=1e-2, eps=1e-3, weight_decay=0.0)
+    fused = ShadowAdamW(a.named_parameters(), seed=3, **kw)
+    plain = ShadowOptimizer(b.named_parameters(), torch.optim.AdamW, seed=3, **kw)
+    unclipped = ShadowAdamW(c.named_parameters(), seed=3, **kw)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    max_norm = 1e-3
+    for _ in range(3):
+        norms = []
+        for model, opt, clip in ((a, fused, max_norm), (b, plain, max_norm), (c, unclipped, None)):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            if clip is not None:
+                norms.append(float(opt.clip_grad_norm_(clip)))
+            opt.step()
+        assert min(norms) > 10 * max_norm  # the clip binds on every step
+        assert abs(norms[0] - norms[1]) <= 1e-5 * norms[1]
+    for (_, pa, sa), (_, _, sb), (_, _, sc) in zip(fused.named_shadows(), plain.named_shadows(),
+                                                   unclipped.named_shadows()):
+        assert torch.allclose(sa, sb, rtol=0, atol=1e-6)
+        assert (sa - sc).abs().max() > 1e-4  # the clipped and unclipped runs are told apart
+        assert torch.equal(bits16(pa.data), bits16(stochastic_round(sa, seed=3, step=3, param=_name(fused, pa))))
+
+
 def _name(opt, p):
     return next(n for n, q, _ in opt.named_shadows() if q is p)
 

@@ -25,10 +25,11 @@ pytestmark = pytest.mark.slow
 def receivers():
     procs = []
 
-    def start(n):
+    def start(n, *extra):
         for _ in range(n):
             port = free_port()
-            p = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port)], cwd=REPO)
+            p = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra],
+                                 cwd=REPO)
             procs.append((p, f"http://127.0.0.1:{port}"))
         for p, url in procs[-n:]:
             for _ in range(200):
@@ -97,6 +98,23 @@ def test_a_receiver_killed_mid_sync_is_dropped_and_the_rest_are_verified(receive
     r = ws.sync(2, on_bucket=kill_b)
     assert r.ready == [a] and r.attempts == 2 and any(b in p for p in r.problems)
     assert [e.state for e in ws.engines] == ["ready", "down"]
+
+
+def test_a_receiver_holding_other_bits_is_named_with_its_tensor_and_gets_no_rollouts(receivers):
+    """A receiver that loads one tensor with a flipped bit (and reports what it holds): the digest
+    check names that engine and that tensor, it stays paused (pending), the healthy one serves."""
+    ((_, a),) = receivers(1)
+    ((_, b),) = receivers(1, "--corrupt", "1.weight")
+    model = _model()
+    ws = WeightSync(ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10,
+                    group_port=free_port())
+    r = ws.sync(1)
+    assert r.ready == [a]
+    assert [e.state for e in ws.engines] == ["ready", "pending"]
+    (problem,) = r.problems
+    assert b in problem and "'1.weight'" in problem and "0.weight" not in problem and "1.bias" not in problem
+    # without the digests the faulty engine would have counted as ready: verification is what stops it
+    assert ws.sync(2, verify=False).ready == [a, b]
 
 
 def _hsdp_worker(rank, world, data):

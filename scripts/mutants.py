@@ -1,0 +1,215 @@
+"""Mutation check: plausible bugs planted one at a time in a copy of the repository; each must make
+the tests named for it fail ("killed"). A survivor is a missing test, not a mutant to delete.
+
+    .venv/bin/python scripts/mutants.py            # all mutants (about 5 minutes on 2 cores)
+    .venv/bin/python scripts/mutants.py --list     # names, layers and the tests each runs
+    .venv/bin/python scripts/mutants.py --only key-drops-step cpu-inf-is-nan
+
+The copy holds the repository's tracked and untracked (not ignored) files, so work in progress
+is checked as it is. First the unmutated copy must pass every selected test (a mutant "killed"
+by a test that fails anyway would prove nothing); then each mutant is applied, its tests run with
+``-x``, and the file restored. Exit status 0 only when the baseline passes and every mutant is
+killed; a mutant whose ``old`` text no longer occurs exactly once is an error (update it with the
+code it tracks).
+
+Adding one: append a ``Mutant`` to ``MUTANTS`` with a short name, the layer, the file, the exact
+text to replace (it must occur once), the buggy text, and the node ids of the tests that should
+catch it (the fewest and fastest that do). Run ``--only NAME`` on it, then on the unmutated tree
+make sure the named tests pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    layer: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+T_ROUND = "tests/numerics/test_rounding.py"
+T_DS = "tests/engines/test_deepspeed.py"
+T_FSDP2 = "tests/engines/test_fsdp2.py"
+
+MUTANTS = [
+    Mutant("key-drops-step", "numerics: rounding key", "dist_sr/numerics/key.py",
+           'struct.pack("<QQ", seed, step)', 'struct.pack("<QQ", seed, 0)',
+           ("tests/numerics/test_key.py::test_stream_keys_match_the_vectors",
+            "tests/numerics/test_key.py::test_dither_ignores_step_and_stochastic_does_not")),
+    Mutant("reference-counter-from-zero", "numerics: reference backend", "dist_sr/numerics/reference.py",
+           "((index >> 2) + 1) * _GAMMA", "(index >> 2) * _GAMMA",
+           (f"{T_ROUND}::test_backends_match_the_test_vectors[reference]",)),
+    Mutant("cpu-inf-is-nan", "numerics: C++ CPU backend", "dist_sr/numerics/csrc/sr_cpu.cpp",
+           "(b & 0x7FFFFFFFu) > 0x7F800000u", "(b & 0x7FFFFFFFu) >= 0x7F800000u",
+           (f"{T_ROUND}::test_inf_and_signed_zero_are_exact[cpu-stochastic]",)),
+    Mutant("triton-misaligned-shift-ignored", "numerics: Triton backend",
+           "dist_sr/numerics/backends/triton/kernels.py",
+           "return u - shift, (g0 - shift) // 4 + blk * R + rows", "return u, g0 // 4 + blk * R + rows",
+           ("tests/numerics/test_triton.py::test_many_tensors_in_one_call_equal_the_reference[misaligned-stochastic-cpu]",)),
+    Mutant("digest-ignores-piece-start", "numerics: layout-free digest", "dist_sr/numerics/digest.py",
+           "signed64(((start + s) * GAMMA) & MASK64)", "signed64((s * GAMMA) & MASK64)",
+           ("tests/numerics/test_digest.py",)),
+    Mutant("adamw-bias-correction-off-by-one", "numerics: fused AdamW", "dist_sr/numerics/adamw.py",
+           "-(self.lr / (1.0 - powi(self.beta1, self.step)))", "-(self.lr / (1.0 - powi(self.beta1, self.step + 1)))",
+           ("tests/optim/test_adamw_sr.py::test_one_step_is_adamw_arithmetic_then_rounded",
+            "tests/numerics/test_fused.py::test_shadow_adamw_tracks_shadow_optimizer_and_shares_its_checkpoints")),
+    Mutant("adamw-sr-moments-use-the-weight-key", "optim: AdamWSR", "dist_sr/numerics/adamw.py",
+           'return f"{param}#{moment}"', "return param",
+           ("tests/optim/test_adamw_sr.py::test_a_step_equals_the_fused_reference_and_moments_use_their_own_keys[bf16]",)),
+    Mutant("shadow-adamw-clip-never-scales", "optim: ShadowAdamW", "dist_sr/optim/shadow.py",
+           "self._grad_scale = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0).reshape(1)",
+           "torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0).reshape(1)",
+           ("tests/numerics/test_fused.py::test_shadow_adamw_clipping_scales_the_update_like_clipping_the_shadow_gradients",)),
+    Mutant("shadow-rounds-with-the-previous-step", "optim: ShadowOptimizer", "dist_sr/optim/shadow.py",
+           "            self.step_count += 1\n            self.write_working()",
+           "            self.write_working()\n            self.step_count += 1",
+           ("tests/optim/test_shadow.py::test_working_weights_are_the_keyed_rounding_of_the_shadows[stochastic]",)),
+    Mutant("precision-sr-builds-nearest", "precision switch", "dist_sr/precision.py",
+           "ShadowOptimizer(named, optimizer_cls, seed=config.seed, mode=config.rounding,",
+           'ShadowOptimizer(named, optimizer_cls, seed=config.seed, mode="nearest",',
+           ("tests/test_precision.py::test_the_switch_builds_the_named_rounding_and_keeps_working_equal_to_the_keyed_shadow[bf16-sr-stochastic]",)),
+    Mutant("precision-drops-the-seed", "precision switch", "dist_sr/precision.py",
+           "ShadowOptimizer(named, optimizer_cls, seed=config.seed, mode=config.rounding,",
+           "ShadowOptimizer(named, optimizer_cls, mode=config.rounding,",
+           ("tests/test_precision.py::test_the_switch_builds_the_named_rounding_and_keeps_working_equal_to_the_keyed_shadow[bf16-sr-stochastic]",)),
+    Mutant("deepspeed-fragment-offset-zero", "engines: DeepSpeed offsets", "dist_sr/engines/deepspeed/hook.py",
+           "mapping.lp_fragment_address.start)", "0)",
+           (f"{T_DS}::test_every_bf16_element_is_the_keyed_rounding_of_the_full_master[zero2]",)),
+    Mutant("deepspeed-zero3-flat-offset", "engines: DeepSpeed offsets", "dist_sr/engines/deepspeed/hook.py",
+           "part.data.view(-1)[:n], rank * n))", "part.data.view(-1)[:n], offset))",
+           (f"{T_DS}::test_every_bf16_element_is_the_keyed_rounding_of_the_full_master[zero3]",)),
+    Mutant("deepspeed-reload-keeps-rtn-copies", "engines: DeepSpeed reload", "dist_sr/engines/deepspeed/hook.py",
+           "            self.resync()  # the loaders copy RTN", "            pass  # the loaders copy RTN",
+           (f"{T_DS}::test_checkpoint_reload_re_derives_identical_bits[zero1-bf16-optimizer]",
+            f"{T_DS}::test_checkpoint_reload_re_derives_identical_bits[zero3]",
+            f"{T_DS}::test_universal_checkpoint_reloads_at_another_world_size_with_identical_bits[zero2-1]")),
+    Mutant("deepspeed-checkpoint-guard-compares-itself", "engines: checkpoint digests",
+           "dist_sr/engines/deepspeed/engine.py",
+           'if digest != client["dist_sr_digest"] or expected != client["dist_sr_digest"]:',
+           "if digest != expected:",
+           (f"{T_DS}::test_our_deepspeed_checkpoints_are_verified_on_save_and_on_load",)),
+    Mutant("single-checkpoint-loads-weights-over-shadows", "engines: checkpoint digests", "dist_sr/engines/single.py",
+           '        self.module.load_state_dict(state["model"])\n'
+           '        self.precision.load_state_dict(state["precision"])  # re-derives the working weights',
+           '        self.precision.load_state_dict(state["precision"])  # re-derives the working weights\n'
+           '        self.module.load_state_dict(state["model"])',
+           ("tests/engines/test_single.py::test_a_tampered_shadow_in_the_checkpoint_is_refused",)),
+    Mutant("fsdp2-shard-offset-in-rows", "engines: FSDP2 offsets", "dist_sr/numerics/shards.py",
+           "return rank * chunk * inner, None, padded", "return rank * chunk, None, padded",
+           (f"{T_FSDP2}::test_working_weights_are_the_keyed_rounding_of_the_full_master[2]",)),
+    Mutant("fsdp2-cache-ignores-master-writes", "engines: FSDP2 reload", "dist_sr/engines/fsdp2/hook.py",
+           "if cached is None or cached[0] != (self.step, self.version):",
+           "if cached is None or cached[0][0] != self.step:",
+           (f"{T_FSDP2}::test_the_gathered_bits_and_the_masters_rounding_are_two_independent_digests",)),
+    Mutant("plan-accepts-overlapping-spans", "weightsync: plan", "dist_sr/weightsync/plan.py",
+           "if p.start != covered or", "if p.start > covered or",
+           ("tests/weightsync/test_plan.py",)),
+    Mutant("sync-verifies-names-not-bits", "weightsync: verification", "dist_sr/weightsync/sync.py",
+           'if r.get("digests", {}).get(n) != expected.get(n)})',
+           'if n not in r.get("digests", {}) or n not in expected})',
+           ("tests/weightsync/test_receiver_fleet.py::"
+            "test_a_receiver_holding_other_bits_is_named_with_its_tensor_and_gets_no_rollouts",)),
+    Mutant("trainer-skips-the-rollout-digest", "rl: trainer verification", "dist_sr/rl/trainer.py",
+           "if ro.weight_digest != trainer_digest:", "if ro.weight_digest is None:",
+           ("tests/rl/test_trainer.py::test_rollouts_from_other_weights_are_caught",)),
+    Mutant("resume-relabels-prompts", "rl: resume", "dist_sr/rl/trainer.py",
+           'random.Random(step_seed(cfg.seed, step, stream("prompts")))',
+           'random.Random(step_seed(cfg.seed, step - start, stream("prompts")))',
+           ("tests/rl/test_trainer.py::test_resuming_continues_the_same_metric_curve",)),
+    Mutant("planner-rank-from-local-rank", "launch: planner", "dist_sr/launch/planner.py",
+           'rank = _int_env(env, "RANK") or 0', 'rank = _int_env(env, "LOCAL_RANK") or 0',
+           ("tests/launch/test_entry_point.py::test_the_launchers_environment_and_deepspeeds_local_rank_argument_are_read",)),
+]
+
+
+def copy_repo(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, float, str]:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}  # a skip is a pass here, never a kill
+    env["PYTHONPATH"] = str(copy)
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=copy,
+                           env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = -1, "timed out"
+    return rc, time.perf_counter() - t0, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per test run")
+    args = ap.parse_args()
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(mutants) != len(set(args.only)):
+        print(f"unknown mutant(s): {sorted(set(args.only) - {m.name for m in MUTANTS})}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:48s} {m.layer:32s} {m.path}\n{'':48s} tests: {' '.join(m.tests)}")
+        return 0
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dist-sr-mutants-") as tmp:
+        copy = Path(tmp)
+        copy_repo(copy)
+        for m in mutants:  # every mutant must still match the code it tracks
+            if (copy / m.path).read_text().count(m.old) != 1:
+                print(f"error: mutant {m.name}: its text does not occur exactly once in {m.path}; update it",
+                      file=sys.stderr)
+                return 2
+        baseline = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+        rc, secs, out = run_tests(copy, baseline, args.timeout)
+        print(f"baseline (unmutated, {len(baseline)} selections): {'pass' if rc == 0 else 'FAIL'} in {secs:.0f} s",
+              flush=True)
+        if rc != 0:
+            print(out[-4000:])
+            return 1
+        killed = 0
+        for m in mutants:
+            target = copy / m.path
+            original = target.read_text()
+            target.write_text(original.replace(m.old, m.new))
+            try:
+                rc, secs, out = run_tests(copy, m.tests, args.timeout)
+            finally:
+                target.write_text(original)
+            # pytest: 1 = tests failed (killed); 0 = all passed (survived); else an error in the run
+            status = {0: "SURVIVED", 1: "killed"}.get(rc, f"ERROR (pytest exit {rc})")
+            killed += rc == 1
+            print(f"{status:10s} {m.name:48s} {m.layer:32s} {secs:6.1f} s", flush=True)
+            if rc not in (0, 1):
+                print(out[-2000:])
+    total = time.perf_counter() - t_start
+    print(f"{killed}/{len(mutants)} mutants killed in {total:.0f} s")
+    return 0 if killed == len(mutants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
