@@ -1,7 +1,7 @@
 """Mutation check: plausible bugs planted one at a time in a copy of the repository; each must make
 the tests named for it fail ("killed"). A survivor is a missing test, not a mutant to delete.
 
-    .venv/bin/python scripts/mutants.py            # all mutants (about 5 minutes on 2 cores)
+    .venv/bin/python scripts/mutants.py            # all mutants (about 4.5 minutes on 2 cores)
     .venv/bin/python scripts/mutants.py --list     # names, layers and the tests each runs
     .venv/bin/python scripts/mutants.py --only key-drops-step cpu-inf-is-nan
 
