@@ -4,6 +4,8 @@
 # CUDA tests (bitwise against the CPU reference, no host synchronisation in a step, steps replayed
 # from a CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
 # Run from the repository root:  bash bench/gpu_check.sh
+# GPU_CHECK_QUICK=1 (about 4 minutes, for a short device budget): the optimizer step, the SR cast at
+# 2^26 and 2^28, and the Triton CUDA tests, most important first, with the committed launch shapes.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -13,6 +15,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export DIST_SR_DISABLE_CPU_KERNEL=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.mem,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+if [ -n "${GPU_CHECK_QUICK:-}" ]; then
+  timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer-step-cuda.json" 2>&1 \
+    | grep -v Warning | tee "$out/gpu-optimizer-step.md"
+  timeout 45 python3 bench/kernels.py --device cuda --sizes 26 28 --rounds 5 --json "$out/kernels-cuda.json" 2>&1 \
+    | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
+    tests/numerics/test_digest.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  exit 0
+fi
 timeout 75 python3 bench/triton_tune.py --env "$out/tuned.env" 2>&1 | tee "$out/gpu-tune.md"
 [ -f "$out/tuned.env" ] && source "$out/tuned.env"
 timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer-step-cuda.json" 2>&1 \
@@ -20,4 +31,4 @@ timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer
 timeout 70 python3 bench/kernels.py --device cuda --sizes 20 24 26 28 --rounds 7 --json "$out/kernels-cuda.json" 2>&1 \
   | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-  tests/rollout/test_plan.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  tests/numerics/test_digest.py 2>&1 | tee "$out/gpu-tests.log" | tail -25

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_sr.numerics.backends.triton import kernels as tk  # noqa: E402
 from dist_sr.numerics.backends.triton import keys as triton_keys  # noqa: E402
-from dist_sr.numerics.backends.triton.launch import FP_OPTIONS  # noqa: E402
+from dist_sr.numerics.backends.triton.launch import (  # noqa: E402
+    ADAMW_BLOCK, ADAMW_WARPS, FP_OPTIONS, SR_BLOCK, SR_WARPS)
 from dist_sr.numerics.key import STEP_BYTE  # noqa: E402
 
 DIV16 = [["tt.divisibility", 16]]
@@ -43,12 +44,13 @@ STEP_DATA = {"tmpl": "*i64", "lens": "*i64", "sigma": "*i64", "step_ptr": "*i64"
              "consts": "*fp32", "S": "i32", "NB": "i32"}
 
 
-def compile_variant(fn, signature: dict, constexprs: dict, arch: int = 90, aligned_args=(), fp_fusion: bool = False):
+def compile_variant(fn, signature: dict, constexprs: dict, arch: int = 90, aligned_args=(), fp_fusion: bool = False,
+                    num_warps: int = 8):
     names = list(signature)
     attrs = {(names.index(a),): DIV16 for a in aligned_args}
     src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                                     constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": fp_fusion, "num_warps": 8})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": fp_fusion, "num_warps": num_warps})
 
 
 def registers(ptx: str, arch: int) -> tuple[int, int]:
@@ -77,7 +79,7 @@ def arithmetic(ptx: str) -> list[str]:
     return sorted(set(re.findall(r"(?:div|sqrt)\.[a-z]+\.f(?:32|64)|fma\.rn\.f(?:32|64)", ptx)))
 
 
-def variants(block_sr: int = 4096, block_adamw: int = 2048):
+def variants(block_sr: int = SR_BLOCK, block_adamw: int = ADAMW_BLOCK):
     """(name, kernel, signature, constexprs, args known 16-byte aligned, FMA contraction allowed)."""
     fusion = not FP_OPTIONS["enable_fp_fusion"]  # what the code launches with is False: no contraction
     yield ("step_data (device keys)", triton_keys.step_data_kernel, STEP_DATA,
@@ -108,11 +110,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-registers", action="store_true", help="skip ptxas (faster)")
     args = ap.parse_args()
-    print(f"# Triton {triton.__version__}, sm_{args.arch}\n\n| kernel | registers | spills | global accesses | "
+    print(f"# Triton {triton.__version__}, sm_{args.arch}; launch shapes SR {SR_BLOCK} x {SR_WARPS} warps, "
+          f"AdamW {ADAMW_BLOCK} x {ADAMW_WARPS} warps\n\n| kernel | registers | spills | global accesses | "
           "div/sqrt/fma |\n|---|---:|---:|---|---|")
     record = {}
     for name, fn, sig, constexprs, aligned_args, fusion in variants():
-        ptx = compile_variant(fn, sig, constexprs, args.arch, aligned_args, fp_fusion=fusion).asm["ptx"]
+        warps = ADAMW_WARPS if fn is tk.adamw_many_kernel else SR_WARPS if fn is not triton_keys.step_data_kernel else 8
+        ptx = compile_variant(fn, sig, constexprs, args.arch, aligned_args, fp_fusion=fusion, num_warps=warps).asm["ptx"]
         regs, spills = (-1, -1) if args.no_registers else registers(ptx, args.arch)
         acc, ops = accesses(ptx), arithmetic(ptx)
         record[name] = {"accesses": dict(acc), "arithmetic": ops, "registers": regs, "spills": spills}
