@@ -9,12 +9,16 @@ parsing (a string shorthand, aliases) defines ``from_config(data, where)``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -50,9 +54,15 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if len(value) != len(typing.get_args(tp)):
+            raise ConfigError(f"{where}: expected a list of {len(typing.get_args(tp))} values, got {list(value)!r}")
         return tuple(_convert(a, v, where) for a, v in zip(typing.get_args(tp), value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads "2e-5" (no dot) as a string
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
     return value
@@ -85,19 +95,25 @@ def from_dict(cls, data: Any, where: str = ""):
         raise ConfigError(f"{where or 'config'}: {exc}") from None
 
 
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")  # JSON is YAML
+
+
 def load_document(source: str | Path | dict, overrides: dict | None = None) -> dict:
-    """A config document: a YAML file path, YAML text or a dict, with dotted overrides
-    (``{"grpo.lr": 1e-5}``) applied."""
+    """A config document: a YAML (or JSON) file path, YAML text or a dict, with dotted overrides
+    (``{"grpo.lr": 1e-5}``) applied. A one-line string without ``:`` is a path."""
     if isinstance(source, dict):
         data = source
-    else:
+    elif isinstance(source, Path) or ("\n" not in source and ":" not in source):
         path = Path(source)
-        if path.suffix in (".yaml", ".yml"):
-            if not path.exists():
-                raise ConfigError(f"config file {path} does not exist")
-            data = yaml.safe_load(path.read_text()) or {}
-        else:
-            data = yaml.safe_load(str(source)) or {}
+        if path.suffix not in CONFIG_SUFFIXES:
+            raise ConfigError(f"config file {path}: not a YAML file (expected one of {', '.join(CONFIG_SUFFIXES)})")
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        data = _parse(path.read_text(), str(path)) or {}
+    else:
+        data = _parse(source, "config text") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping of sections at the top level, got {type(data).__name__}")
     data = _deep_copy(data)
     for dotted, value in (overrides or {}).items():
         node = data
@@ -110,6 +126,16 @@ def load_document(source: str | Path | dict, overrides: dict | None = None) -> d
     return data
 
 
+def _parse(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}:{at}: YAML syntax error: {problem}") from None
+
+
 def parse_overrides(pairs: list[str]) -> dict:
     """``--set KEY=VALUE`` pairs as a dict, values parsed as YAML."""
     out = {}
@@ -117,7 +143,7 @@ def parse_overrides(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
         key, value = pair.split("=", 1)
-        out[key] = yaml.safe_load(value)
+        out[key] = _parse(value, f"--set {key}")
     return out
 
 

@@ -1,10 +1,14 @@
-"""Checkpoint files every engine writes the same way: atomic replaces and a bounded history."""
+"""Checkpoint files every engine writes the same way: atomic replaces, a bounded history, and
+content digests checked on load (a manifest of file hashes, or a digest of the whole state)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 KEEP_CHECKPOINTS = 2  # step directories kept under <run>/deepspeed/ and <run>/fsdp2/
 
@@ -21,3 +25,74 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+MANIFEST = "MANIFEST.json"
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint's files are not the ones written (a flipped byte, a truncated or missing file)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """``MANIFEST.json``: the SHA-256 of every file under ``directory`` (written last, atomically:
+    a checkpoint without one did not finish)."""
+    files = {str(p.relative_to(directory)): _sha256(p) for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp")}
+    write_atomic(directory / MANIFEST, json.dumps({"sha256": files}, indent=1))
+
+
+def verify_manifest(directory: Path) -> None:
+    """Raise ``CheckpointCorrupt`` naming every file that is missing, extra or changed."""
+    path = directory / MANIFEST
+    if not path.exists():
+        raise CheckpointCorrupt(f"{directory}: no {MANIFEST} (the checkpoint's write did not finish)")
+    want = json.loads(path.read_text())["sha256"]
+    have = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
+    bad = sorted(set(want) ^ have) + sorted(n for n in set(want) & have if _sha256(directory / n) != want[n])
+    if bad:
+        raise CheckpointCorrupt(f"{directory}: files differ from those written: {bad[:8]}{' ...' if len(bad) > 8 else ''}")
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Complete-looking ``step<N>`` directories under ``root``, newest first."""
+    return sorted((d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()),
+                  key=lambda d: -int(d.name[4:]))
+
+
+def state_digest(obj: Any) -> str:
+    """SHA-256 over a nested state (dicts, lists, tensors, numbers, strings): names, dtypes, shapes
+    and every byte, in a fixed order. Stored in a checkpoint and recomputed on load."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[" if isinstance(x, list) else b"(")
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        elif isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(x).encode())
+
+    walk(obj)
+    return h.hexdigest()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def trainer_command(cfg: ExperimentConfig) -> list[str]:
     else:
         launcher = ["deepspeed", "--no_ssh", f"--num_nodes={c.nnodes}", f"--num_gpus={c.nproc_per_node}",
                     "--node_rank=$(NODE_RANK)", "--master_addr=$(MASTER_ADDR)", f"--master_port={c.master_port}"]
-    return launcher + [ENTRY, "--config", f"{CONFIG_MOUNT}/experiment.yaml", "--resume", "--no-progress"]
+    return launcher + [ENTRY, "--config", f"{CONFIG_MOUNT}/experiment.yaml", "--resume-or-start", "--no-progress"]
 
 
 def _volumes(cfg: ExperimentConfig) -> tuple[list, list]:
@@ -138,7 +139,7 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
         "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(cfg, nm["trainer"], "trainer"),
         "spec": {
             "completionMode": "Indexed", "completions": c.nnodes, "parallelism": c.nnodes,
-            # one lost node fails the whole job; resubmitting resumes from the checkpoint (--resume)
+            # one lost node fails the whole job; resubmitting resumes from the checkpoint (--resume-or-start)
             "backoffLimit": 0,
             "template": {
                 "metadata": {"labels": _labels(cfg, "trainer")},
@@ -159,12 +160,13 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
     """Each engine serves the trainer's latest weight snapshot (or ``model.path``), with the
     dist-sr weight-transfer backend; it waits for the first snapshot to exist."""
     f = cfg.rollout.vllm
-    model = cfg.model.path or f"{snapshot_dir(cfg)}/current"
+    model = shlex.quote(cfg.model.path or f"{snapshot_dir(cfg)}/current")  # a path is one word, never a command
     serve = (f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
              f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
              f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
              f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension")
-    wait = f"until [ -e {model}/config.json ]; do echo waiting for {model}; sleep 5; done; " \
+    config_json = shlex.quote(f"{cfg.model.path or snapshot_dir(cfg) + '/current'}/config.json")
+    wait = f"until [ -e {config_json} ]; do echo waiting for {model}; sleep 5; done; " \
         if cfg.model.path is None else ""
     return ["/bin/sh", "-c", wait + serve]
 

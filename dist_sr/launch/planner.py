@@ -59,7 +59,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set grpo.lr=1e-5 --set precision=bf16-sr")
     ap.add_argument("--output-dir", help="run directory (overrides output_dir)")
-    ap.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    ap.add_argument("--resume", action="store_const", const=True, default=False,
+                    help="continue from the run directory's checkpoint (an error if there is none)")
+    ap.add_argument("--resume-or-start", dest="resume", action="store_const", const="auto",
+                    help="continue from the checkpoint if there is one, else start fresh (restartable jobs)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a run already in the output directory (its metrics and checkpoints)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="check config and world, print the plan, exit")
     ap.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
@@ -205,7 +210,7 @@ def run(args: argparse.Namespace, prog: str = "launch/train.py") -> int:
                           MASTER_PORT=str(free_port()))
     try:
         init_distributed(p.engine, p.backend)
-        path = train(p.config, progress=not args.no_progress, resume=args.resume)
+        path = train(p.config, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as exc:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
         return 2

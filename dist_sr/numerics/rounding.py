@@ -63,6 +63,9 @@ def stochastic_round(
     """
     check_mode(mode)
     backends.check_name(backend)
+    if out is not None and isinstance(x, torch.Tensor) and overlaps(x, out):  # round first, then write
+        return out.copy_(stochastic_round(x, seed=seed, step=step, param=param, offset=offset, mode=mode,
+                                          backend=backend, row_stride=row_stride))
     job = RoundingJob(param, x, _out_for(x, out), offset, row_stride)
     _validate(job)
     if x.numel() == 0:
@@ -156,6 +159,21 @@ class RoundingBatch:
             backends.get(name).round_batch(self, idx, None, device_step)
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (same storage, overlapping bytes)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _rows(job: RoundingJob) -> tuple[int, int] | None:
     return None if job.row_stride is None else (job.x.shape[-1] if job.x.dim() else 1, job.row_stride)
 
@@ -187,5 +205,8 @@ def _validate(job: RoundingJob) -> None:
             raise ValueError(f"row_stride for {job.param!r} must be an int >= the row length {row_len}, got {job.row_stride!r}")
     if not isinstance(job.offset, int) or isinstance(job.offset, bool) or job.offset < 0:
         raise ValueError(f"offset for {job.param!r} must be a non-negative int, got {job.offset!r}")
+    if overlaps(x, out):
+        raise ValueError(f"out for {job.param!r} overlaps its input x in memory; give it a separate tensor "
+                         "(stochastic_round handles an overlapping out by rounding first)")
     if job.offset + x.numel() > 1 << 62:
         raise ValueError(f"offset {job.offset} + numel {x.numel()} for {job.param!r} exceeds 2^62 elements")

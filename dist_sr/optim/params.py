@@ -7,6 +7,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..numerics.key import normalize_param_name
+
 ParamsLike = nn.Module | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
 
@@ -23,7 +25,7 @@ def named_param_groups(params: ParamsLike) -> list[dict[str, Any]]:
     if not items:
         raise ValueError("optimizer got an empty parameter list")
     groups = items if isinstance(items[0], dict) else [{"params": items}]
-    out, seen = [], set()
+    out, seen, keys = [], set(), {}
     for group in groups:
         if not isinstance(group, dict):
             raise TypeError("mix of parameter groups (dicts) and named parameters; pass one kind")
@@ -40,6 +42,11 @@ def named_param_groups(params: ParamsLike) -> list[dict[str, Any]]:
             if id(tensor) in seen:
                 raise ValueError(f"parameter {name!r} appears twice")
             seen.add(id(tensor))
+            key = normalize_param_name(name)  # refuses empty or malformed names
+            if key in keys:
+                raise ValueError(f"parameters {keys[key]!r} and {name!r} normalise to the same key {key!r}: they would "
+                                 "get identical random bits; give each parameter its own state-dict name")
+            keys[key] = name
             names.append(name)
             tensors.append(tensor)
         options = {k: v for k, v in group.items() if k != "params"}

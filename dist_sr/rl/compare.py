@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm import tqdm
 
+from ..config import load_document
 from .config import ConfigError, ExperimentConfig, from_dict, load_experiment
 
 
@@ -54,6 +54,12 @@ class CompareConfig:
     reference: str = "bf16-sr"       # the run others are compared with in the goal checks
     output_dir: str = "runs/compare"
 
+    def __post_init__(self):
+        if not self.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds):
+            raise ConfigError(f"seeds must be a non-empty list of ints, got {self.seeds!r}")
+        if self.parallel < 1:
+            raise ConfigError(f"parallel must be >= 1 (training processes at a time), got {self.parallel}")
+
 
 def load_compare(source: str | Path | None = None, overrides: dict | None = None) -> CompareConfig:
     data: dict = {}
@@ -62,7 +68,7 @@ def load_compare(source: str | Path | None = None, overrides: dict | None = None
         path = Path(source)
         if not path.exists():
             raise ConfigError(f"compare config {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_document(path)
         base = path.parent
     for k, v in (overrides or {}).items():
         data[k] = v
@@ -93,7 +99,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 def run_config(cfg: CompareConfig, spec: RunSpec, seed: int) -> ExperimentConfig:
     """The experiment of one run and seed: the shared experiment plus the run's own settings."""
-    data = yaml.safe_load(Path(cfg.experiment_file).read_text()) or {} if cfg.experiment_file else {}
+    data = load_document(Path(cfg.experiment_file)) if cfg.experiment_file else {}
     data = _deep_merge(data, cfg.experiment)
     base_lr = load_experiment(data).grpo.lr
     return load_experiment(data, {
@@ -113,15 +119,17 @@ def _train_one(cfg: ExperimentConfig) -> str:
 
     hf_logging.disable_progress_bar()  # one line per finished run is enough in a worker
 
-    return str(train(cfg, progress=False))
+    return str(train(cfg, progress=False, resume="auto"))  # a run cut short continues
 
 
 def _finished(cfg: ExperimentConfig) -> bool:
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         return False
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x]
-    return bool(lines) and lines[-1]["step"] == cfg.grpo.steps and (Path(cfg.output_dir) / "checkpoint.pt").exists()
+    from .trainer import holds_a_run, read_metrics
+
+    lines = read_metrics(path)
+    return bool(lines) and lines[-1]["step"] == cfg.grpo.steps and holds_a_run(Path(cfg.output_dir))
 
 
 def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
@@ -147,12 +155,14 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
 # --- report -------------------------------------------------------------------------------
 
 def _load(cfg: CompareConfig) -> dict[str, list[list[dict]]]:
+    from .trainer import read_metrics
+
     data = {}
     for spec in cfg.runs:
         data[spec.name] = []
         for seed in cfg.seeds:
             path = Path(cfg.output_dir) / spec.name / f"seed-{seed}" / "metrics.jsonl"
-            data[spec.name].append([json.loads(x) for x in path.read_text().splitlines() if x])
+            data[spec.name].append(read_metrics(path))
     return data
 
 
@@ -166,7 +176,7 @@ def _std(xs):
 
 
 def _eval_curve(rows: list[dict], key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in rows if key in r}
+    return {r["step"]: r[key] for r in rows if r.get(key) is not None}  # null: a non-finite value
 
 
 def summarize(cfg: CompareConfig) -> dict[str, Any]:
@@ -184,7 +194,8 @@ def summarize(cfg: CompareConfig) -> dict[str, Any]:
             hit = next((s for s in steps if a[s] - a[steps[0]] >= cfg.threshold), None)
             to_threshold.append(hit)
         mean_hit = next((s for s in steps if mean_acc[s] - start >= cfg.threshold), None)
-        train_rows = [[r for r in rows if "reward" in r] for rows in seeds]
+        train_rows = [[r for r in rows if r.get("reward") is not None and r.get("changed_frac") is not None]
+                      for rows in seeds]
         out[name] = {
             "steps": steps,
             "mean_accuracy": mean_acc,
@@ -232,6 +243,9 @@ def goal_checks(cfg: CompareConfig, summary: dict) -> list[tuple[str, bool, str]
 
 def write_report(cfg: CompareConfig) -> Path:
     out = Path(cfg.output_dir)
+    if not any((Path(run_config(cfg, spec, seed).output_dir) / "metrics.jsonl").exists()
+               for spec in cfg.runs for seed in cfg.seeds):
+        raise ConfigError(f"no finished runs under {out} to report on; run 'dist-sr compare' without --report-only")
     summary = summarize(cfg)
     checks = goal_checks(cfg, summary)
     _plot(cfg, out / "figure.png")
@@ -286,8 +300,8 @@ def _plot(cfg: CompareConfig, path: Path) -> None:
             ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
         axes[2].plot(means["eval_accuracy"], means["eval_kl"], label=spec.name)
         rows = seeds[0]
-        steps = [r["step"] for r in rows if "changed_frac" in r]
-        changed = [r["changed_frac"] for r in rows if "changed_frac" in r]
+        steps = [r["step"] for r in rows if r.get("changed_frac") is not None]
+        changed = [r["changed_frac"] for r in rows if r.get("changed_frac") is not None]
         axes[3].plot(steps, changed, label=spec.name)
     axes[0].set(title="eval accuracy (band: min-max over seeds)", xlabel="GRPO step", ylabel="accuracy")
     axes[1].set(title="KL(policy || start) at answer positions", xlabel="GRPO step", ylabel="KL (nats/token)")

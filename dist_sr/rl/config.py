@@ -31,6 +31,16 @@ class ModelConfig:
     initializer_range: float = 0.25  # ~2/sqrt(d): LLM-like lr/|w| (DESIGN.md section 6)
     init_seed: int = 0
 
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} must be a multiple of "
+                              f"model.num_attention_heads={self.num_attention_heads}")
+        if self.initializer_range <= 0:
+            raise ConfigError(f"model.initializer_range must be > 0, got {self.initializer_range}")
+
 
 @dataclass
 class TaskConfig:
@@ -88,6 +98,13 @@ class GRPOConfig:
             raise ConfigError("grpo.steps must be >= 0, grpo.prompts_per_step and grpo.max_new_tokens >= 1")
         if self.lr <= 0 or self.temperature <= 0:
             raise ConfigError("grpo.lr and grpo.temperature must be > 0")
+        if self.max_grad_norm <= 0:
+            raise ConfigError(f"grpo.max_grad_norm must be > 0 (the gradient's norm is clipped to it), "
+                              f"got {self.max_grad_norm}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"grpo.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0 or self.weight_decay < 0 or self.clip_eps <= 0 or self.kl_coef < 0:
+            raise ConfigError("grpo.eps and grpo.clip_eps must be > 0, grpo.weight_decay and grpo.kl_coef >= 0")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"grpo.optimizer: unknown optimizer {self.optimizer!r}; choose one of "
                               f"{', '.join(OPTIMIZERS)}")
@@ -98,6 +115,10 @@ class EvalConfig:
     every: int = 10
     num_prompts: int = 1024
     seed: int = 1234                  # fixed prompts and fixed sampling noise at every evaluation
+
+    def __post_init__(self):
+        if self.every < 1 or self.num_prompts < 1:
+            raise ConfigError(f"eval.every and eval.num_prompts must be >= 1, got {self.every} and {self.num_prompts}")
 
 
 @dataclass
@@ -114,10 +135,14 @@ class ExperimentConfig:
     seed: int = 0                     # RL sampling seed
     shadow_jitter: bool = False       # control run: move FP32 shadows off the BF16 grid at start
     output_dir: str = "runs/train"
-    checkpoint_every: int = 0         # 0 = only at the end
+    checkpoint_every: int = 50        # steps between checkpoints (0 = only at the end)
     threads: int | None = None        # torch.set_num_threads
 
     def __post_init__(self):
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 (or null for torch's default), got {self.threads}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         spec = self.precision.spec
         if self.shadow_jitter and not spec.shadows:
             raise ConfigError("shadow_jitter needs FP32 shadows: precision fp16, bf16, bf16-sr or bf16-dither")

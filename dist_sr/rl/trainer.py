@@ -11,8 +11,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import random
+import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,13 +46,14 @@ def step_seed(seed: int, step: int, stream: str) -> int:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; mirrors scalars to TensorBoard when it is installed."""
+    """Appends one JSON object per line (strict JSON: a NaN or Inf is written as null); mirrors
+    the finite scalars to TensorBoard when it is installed. Resuming keeps the lines up to the
+    checkpoint's step; a partial last line (a writer killed mid-line) is dropped with a warning."""
 
     def __init__(self, out_dir: Path, keep_until_step: int | None = None):
         self.path = out_dir / "metrics.jsonl"
         if keep_until_step is not None and self.path.exists():  # resuming: drop what comes after
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line)["step"] <= keep_until_step]
+            kept = [json.dumps(r) for r in read_metrics(self.path) if r["step"] <= keep_until_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif keep_until_step is None:
             self.path.write_text("")
@@ -62,16 +66,44 @@ class MetricsWriter:
             pass
 
     def write(self, record: dict) -> None:
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.tb is not None:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.tb.add_scalar(k, v, record["step"])
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a partial last line is dropped with a warning, a bad line
+    before it is an error (the file was damaged, not cut short)."""
+    lines = path.read_text().split("\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # no newline after it: the writer was killed mid-line
+                warnings.warn(f"dist_sr: {path}: dropping a partial last line ({line[:60]!r})", RuntimeWarning,
+                              stacklevel=2)
+                continue
+            raise ConfigError(f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the metrics file is damaged") from None
+    return records
+
+
+class NonFiniteTraining(RuntimeError):
+    """Too many consecutive steps had a NaN or Inf loss: the run stops (its last good checkpoint is
+    kept) instead of training on, or saving, a broken state."""
+
+
+MAX_NONFINITE_STEPS = 3  # consecutive skipped steps before the run stops
 
 
 def jitter_shadows_(optimizer: ShadowOptimizer, seed: int) -> None:
@@ -111,15 +143,59 @@ def settings(cfg: ExperimentConfig, world: int) -> TrainSettings:
                          batch_per_rank=g.prompts_per_step // world * g.samples_per_prompt)
 
 
-def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False, stop_at: int | None = None,
+# Settings a resumed run may change; any other difference from the run's config.yaml is refused.
+RESUMABLE_CHANGES = ("grpo.steps", "checkpoint_every", "threads", "output_dir", "rollout.", "cluster.", "eval.every",
+                     "warmup.cache_dir")
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "deepspeed", "fsdp2", "tensorboard")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    return {k2: v2 for k, v in d.items()
+            for k2, v2 in (_flatten(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
+
+
+def check_resume_config(out_dir: Path, cfg: ExperimentConfig) -> None:
+    """Refuse to resume with settings that change the run's math (learning rate, precision, model,
+    data, seeds...): the checkpoint's state was made with the recorded ones."""
+    recorded = out_dir / "config.yaml"
+    if not recorded.exists():
+        return
+    old = _flatten(yaml.safe_load(recorded.read_text()) or {})
+    new = _flatten(yaml.safe_load(yaml.safe_dump(to_dict(cfg))))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
+                     and not any(k == c or (c.endswith(".") and k.startswith(c)) for c in RESUMABLE_CHANGES))
+    if changed:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
+        raise ConfigError(f"{out_dir} was trained with other settings ({detail}); resume it with its own "
+                          f"config ({recorded}), or start a new run in another output_dir (or with --overwrite)")
+
+
+def holds_a_run(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds metrics or a checkpoint of a run."""
+    metrics = out_dir / "metrics.jsonl"
+    return (metrics.exists() and metrics.stat().st_size > 0) or any((out_dir / n).exists() for n in RUN_FILES[1:5])
+
+
+def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = False, overwrite: bool = False,
+          stop_at: int | None = None,
           make_engine: Callable[[Any, Any], RolloutEngine] | None = None) -> Path:
     """Run GRPO for ``cfg``; returns the metrics file.
 
     Runs in one process or, with ``distributed.engine`` deepspeed/fsdp2, on every rank of a
     launcher's process group (each rank samples ``prompts_per_step / world`` prompts; rank 0
-    writes metrics). ``resume`` continues from the run's checkpoint; ``stop_at`` ends early (with a
-    checkpoint); ``make_engine(model, tokenizer)`` replaces the configured rollout engine.
+    writes metrics). ``resume=True`` continues from the run's checkpoint (an error if there is
+    none, if its step is beyond ``grpo.steps``, or if the settings that shape the run changed);
+    ``resume="auto"`` does that when a checkpoint exists and otherwise starts fresh, saying so.
+    Without resume, an ``output_dir`` that already holds a run is refused unless ``overwrite``
+    (which removes its metrics and checkpoints first). ``stop_at`` ends early (with a checkpoint);
+    ``make_engine(model, tokenizer)`` replaces the configured rollout engine.
+
+    A step whose loss is NaN or Inf (or, without loss scaling, whose gradient is) is skipped and
+    counted (``nonfinite`` in the metrics); ``MAX_NONFINITE_STEPS`` in a row stop the run with
+    ``NonFiniteTraining``, keeping the last good checkpoint.
     """
+    if resume not in (False, True, "auto"):
+        raise ValueError(f"resume must be False, True or 'auto', got {resume!r}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     init_distributed(cfg.distributed.engine)
@@ -127,8 +203,20 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if not resume and holds_a_run(out_dir):
+        if not overwrite:
+            raise ConfigError(f"{out_dir} already holds a run (metrics or checkpoints); pass --resume to continue "
+                              "it, --overwrite to replace it, or choose another output_dir")
+        if world > 1:
+            dist.barrier()  # every rank has looked before rank 0 removes anything
+        if rank == 0:
+            for name in RUN_FILES:
+                target = out_dir / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    if resume:
+        check_resume_config(out_dir, cfg)
+    if world > 1:
+        dist.barrier()
     task = make_task(cfg)
     if cfg.model.path is None and rank == 0:
         warmup_checkpoint(cfg, progress=progress)  # rank 0 trains it; the others then read the cache
@@ -146,7 +234,23 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
     trainer = make_training_engine(settings(cfg, world), model)
     if cfg.shadow_jitter:
         jitter_shadows_(trainer.precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
-    start = (trainer.load(out_dir) or 0) if resume else 0
+    start = 0
+    if resume:
+        loaded = trainer.load(out_dir)
+        if loaded is None and resume is True:
+            raise ConfigError(f"nothing to resume in {out_dir}: it holds no checkpoint; run without --resume to start "
+                              "fresh (or with --resume-or-start)")
+        if loaded is None:
+            if rank == 0:
+                print(f"dist-sr: no checkpoint in {out_dir}; starting fresh", flush=True)
+            resume = False
+        elif loaded > g.steps:
+            raise ConfigError(f"the checkpoint in {out_dir} is at step {loaded}, beyond grpo.steps={g.steps}; set "
+                              f"grpo.steps to at least {loaded} to continue this run")
+        else:
+            start = loaded
+    if rank == 0:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     if make_engine is not None:
         rollout = make_engine(trainer.module, tokenizer)
     else:
@@ -174,6 +278,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
             writer.write(record)
 
     saved_at = start if start else None  # the step of the newest checkpoint on disk
+    bad_run = 0  # consecutive steps skipped for a non-finite loss or gradient
     if start == 0:
         write({"step": 0, **run_eval()})
     last = g.steps if stop_at is None else min(stop_at, g.steps)
@@ -204,16 +309,27 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool = False,
                                                       ro.completion_mask), ro.completion_ids)
         loss, stats = grpo_loss(logp, logp.detach(), group_advantages(rewards, g.samples_per_prompt),
                                 ro.completion_mask, clip_eps=g.clip_eps, ref_logp=ref_logp, kl_coef=g.kl_coef)
-        trainer.backward(loss)
-        grad_norm, stepped = trainer.step()
+        nonfinite = _all_sum([0.0 if bool(torch.isfinite(loss.detach())) else 1.0], world)[0] > 0
+        if nonfinite:  # every rank skips together (backward holds collectives)
+            grad_norm, stepped = float("nan"), False
+        else:
+            trainer.backward(loss)
+            grad_norm, stepped = trainer.step()
+            nonfinite = not math.isfinite(grad_norm) and not cfg.precision.spec.loss_scaling
+        bad_run = bad_run + 1 if nonfinite else 0
         reward, loss_mean, kl_k3 = _all_mean([rewards.mean().item(), loss.item(), stats["kl_k3"]], world)
         record = {"step": step, "reward": reward, "loss": loss_mean, "grad_norm": grad_norm, "kl_k3": kl_k3,
-                  "weight_version": ro.weight_version, "skipped": not stepped,
+                  "weight_version": ro.weight_version, "skipped": not stepped, "nonfinite": nonfinite,
                   **(trainer.meter.update() if trainer.meter is not None else {})}
         if step % cfg.eval.every == 0 or step == g.steps:
             record.update(run_eval())
         record["step_time"] = time.perf_counter() - t0
         write(record)
+        if bad_run >= MAX_NONFINITE_STEPS:
+            kept = f"the newest checkpoint, step {saved_at}, is kept" if saved_at else "no checkpoint was written"
+            raise NonFiniteTraining(f"steps {step - bad_run + 1}..{step} had a non-finite loss or gradient and were "
+                                    f"skipped; stopping ({kept}). Lower grpo.lr (now {g.lr}) or check the data and "
+                                    "the model")
         bar.set_postfix(reward=f"{reward:.3f}", acc=f"{record.get('eval_accuracy', float('nan')):.3f}",
                         kl=f"{kl_k3:.2e}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

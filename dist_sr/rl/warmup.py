@@ -54,20 +54,22 @@ def encode_targets(tokenizer, targets: list[str]) -> tuple[torch.Tensor, torch.T
 
 
 def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
-    """Path of the cached warm-up checkpoint for ``cfg``, training it first if needed."""
+    """Path of the cached warm-up checkpoint for ``cfg``, training it first if needed. With
+    ``warmup.enabled: false`` it is the freshly initialised tiny model, on the BF16 grid."""
     path = Path(cfg.warmup.cache_dir) / f"warmup-{cache_key(cfg)}"
     if (path / "warmup.json").exists():
         return path
     w = cfg.warmup
     task = make_task(cfg)
-    if not hasattr(task, "distractor"):
+    if w.enabled and not hasattr(task, "distractor"):
         raise ValueError(f"task {task.name!r} has no distractor answers; warm up only generated tasks")
     model, tokenizer = new_tiny(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
     rng = random.Random(w.seed)
     eval_set = fixed_examples(task, w.eval_prompts, w.seed + 1)
     accuracy, step = 0.0, 0
-    bar = tqdm(range(1, w.max_steps + 1), desc="warm-up (SFT)", disable=not progress, leave=False)
+    bar = tqdm(range(1, (w.max_steps if w.enabled else 0) + 1), desc="warm-up (SFT)", disable=not progress,
+               leave=False)
     for step in bar:
         batch = [task.sample(rng) for _ in range(w.batch_size)]
         targets = [task.distractor(e) if rng.random() < w.distractor_fraction else e.answer for e in batch]

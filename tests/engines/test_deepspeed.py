@@ -295,10 +295,16 @@ def _guard_save_worker(rank, world_size, path):
     assert not (path / "deepspeed" / "step3").exists() and (path / "deepspeed" / "latest").read_text() == "step2"
 
 
-def _guard_load_worker(rank, world_size, path, expect_error):
+def _guard_load_worker(rank, world_size, path, expect):
+    from dist_sr.engines.checkpoints import CheckpointCorrupt
+
     eng = _our_engine()
-    if expect_error:
-        with pytest.raises(RuntimeError, match=r"step2/mp_rank_00_model_states.pt: after loading, the working weights have digest .* the checkpoint recorded"):
+    if expect == "digest":
+        with pytest.raises(RuntimeError, match=r"step2/mp_rank_00_model_states.pt: after loading, the working weights "
+                                               r"have digest .* the checkpoint recorded"):
+            eng.load(path)
+    elif expect == "corrupt":
+        with pytest.raises(CheckpointCorrupt, match=r"step2: files differ from those written: \['[^']*optim_states.pt'\]"):
             eng.load(path)
     else:
         assert eng.load(path) == 2 and eng.digest() == eng.expected_digest()
@@ -306,13 +312,18 @@ def _guard_load_worker(rank, world_size, path, expect_error):
 
 @pytest.mark.slow
 def test_our_deepspeed_checkpoints_are_verified_on_save_and_on_load(tmp_path):
-    """A checkpoint is written only from a consistent state, loads back verified, and a flipped bit
-    in a stored FP32 master (re-rounded on load) is refused by the digest recorded at save time."""
+    """A checkpoint is written only from a consistent state and loads back verified. A flipped bit
+    in a stored FP32 master is refused by the files' manifest; with the manifest rewritten to
+    match (a writer that stored a wrong master), by the digest recorded at save time."""
+    from dist_sr.engines.checkpoints import write_manifest
+
     run_workers(_guard_save_worker, 2, tmp_path)
-    run_workers(_guard_load_worker, 2, tmp_path, False)
+    run_workers(_guard_load_worker, 2, tmp_path, "ok")
     (optim,) = sorted((tmp_path / "deepspeed" / "step2").glob("*zero_pp_rank_0_*optim_states.pt"))
     state = torch.load(optim, weights_only=False)
     flat = state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
     flat.view(torch.int32)[5] ^= 1 << 20  # a bit high in the mantissa: the rounding changes
     torch.save(state, optim)
-    run_workers(_guard_load_worker, 2, tmp_path, True)
+    run_workers(_guard_load_worker, 2, tmp_path, "corrupt")
+    write_manifest(tmp_path / "deepspeed" / "step2")
+    run_workers(_guard_load_worker, 2, tmp_path, "digest")

@@ -146,7 +146,7 @@ def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, in
 
 
 HF_SCRIPT = '''
-import json, sys, torch
+import json, os, sys, torch
 from transformers import Trainer, TrainingArguments
 from tests.engines.models import tiny_qwen2
 
@@ -172,8 +172,14 @@ keyed = all(torch.equal(w.view(torch.int16), stochastic_round(m, seed=77, step=e
                                                                param=n).view(torch.int16))
             for n, (w, m) in state.items())
 if engine.global_rank == 0:
-    json.dump({"attached": hasattr(engine, "dist_sr"), "steps": engine.global_steps, "keyed": keyed},
-              open(sys.argv[1], "w"))
+    with open(sys.argv[1], "w") as f:
+        json.dump({"attached": hasattr(engine, "dist_sr"), "steps": engine.global_steps, "keyed": keyed}, f)
+# Skip interpreter finalisation (as tests/dist_utils.py does): tearing down the store while the
+# peer's connection is still closing can abort a process whose work is done.
+torch.distributed.barrier()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 

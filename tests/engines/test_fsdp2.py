@@ -331,3 +331,52 @@ def _digest_paths_worker(rank, world_size):
 
 def test_the_gathered_bits_and_the_masters_rounding_are_two_independent_digests():
     run_workers(_digest_paths_worker, 2)
+
+
+def _fsdp2_engine():
+    from dist_sr.engines.base import TrainSettings
+    from dist_sr.engines.config import DistributedConfig
+    from dist_sr.engines.fsdp2.engine import FSDP2Engine
+    from dist_sr.precision import PrecisionConfig
+
+    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED), lr=1e-3,
+                             distributed=DistributedConfig(engine="fsdp2", fsdp2={"shard_modules": ["Qwen2DecoderLayer"]}))
+    return FSDP2Engine(settings, tiny_qwen2())
+
+
+def _manifest_save_worker(rank, world_size, path):
+    eng = _fsdp2_engine()
+    ids = batch()
+    digests = {}
+    for step in (1, 2):
+        eng.backward(eng.module(input_ids=ids, labels=ids).loss)
+        eng.step()
+        eng.save(path, step)
+        digests[step] = eng.expected_digest()
+    if rank == 0:
+        (path / "digests.json").write_text(json.dumps(digests))
+
+
+def _manifest_load_worker(rank, world_size, path):
+    eng = _fsdp2_engine()
+    with pytest.warns(RuntimeWarning, match=r"resuming from .*step1; refused newer: .*step2: files differ") \
+            if rank == 0 else _no_warning_check():
+        assert eng.load(path) == 1
+    assert eng.expected_digest() == json.loads((path / "digests.json").read_text())["1"]
+
+
+def _no_warning_check():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_a_corrupted_latest_fsdp2_checkpoint_is_refused_and_the_previous_one_resumes(tmp_path):
+    """Every shard file is in the checkpoint's manifest; one flipped byte in the newest makes the
+    resume take the previous complete checkpoint, with its own verified digest."""
+    run_workers(_manifest_save_worker, 2, tmp_path)
+    shard = sorted((tmp_path / "fsdp2" / "step2").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    run_workers(_manifest_load_worker, 2, tmp_path)

@@ -188,3 +188,16 @@ def test_the_image_provides_what_the_manifests_run(tmp_path):
     files = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
     job = _objects(files, "Job")[0]
     assert job["spec"]["template"]["spec"]["containers"][0]["workingDir"] == k8s.WORKDIR
+
+
+def test_a_model_path_with_spaces_or_shell_characters_stays_one_argument():
+    from dist_sr.rl.config import load_experiment
+
+    for path in ("/models/my model", "/models/x; touch /tmp/pwned", "/models/$(id)"):
+        cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml", {"model.path": path})
+        words = shlex.split(k8s.vllm_command(cfg)[2])
+        assert words[:4] == ["exec", "vllm", "serve", path], words[:6]
+    cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml", {"cluster.data_dir": "/data dir", "model.path": None})
+    script = k8s.vllm_command(cfg)[2]
+    assert "'/data dir/snapshots/" in script and shlex.split(script.split("; do")[0])[:3] == [
+        "until", "[", "-e"]

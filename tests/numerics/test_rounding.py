@@ -303,3 +303,16 @@ def test_large_outputs_written_by_streaming_stores_keep_the_bits(shift, offset):
     stochastic_round(x, seed=2, step=5, param="big.w", offset=offset, out=out, backend="cpu")
     expected = stochastic_round(x, seed=2, step=5, param="big.w", offset=offset, backend="reference")
     assert torch.equal(bits16(out), bits16(expected))
+
+
+def test_an_out_that_overlaps_its_input_gets_the_bits_of_a_separate_out(backend):
+    """``out`` as a BF16 view over the input's own bytes (in-place reuse of the FP32 storage):
+    rounded first, then written, so no element reads a half-overwritten input."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3))
+    want = sr(x.clone(), backend)
+    alias = x.view(torch.bfloat16)[: x.numel()]
+    got = sr(x, backend, out=alias)
+    assert got.data_ptr() == x.data_ptr() and torch.equal(bits16(got), bits16(want))
+    y = torch.randn(64)
+    with pytest.raises(ValueError, match="overlaps its input x in memory"):
+        round_jobs([RoundingJob("w", y, y.view(torch.bfloat16)[:64])], seed=1, step=1, backend=backend)

@@ -152,3 +152,12 @@ def test_non_bf16_params_are_refused():
 def test_bad_moment_dtype_is_refused():
     with pytest.raises(ValueError, match="moment_dtype"):
         AdamWSR(nn.Linear(2, 2).to(torch.bfloat16).named_parameters(), moment_dtype="fp16")
+
+
+@pytest.mark.parametrize("names,match", [(["w", "w"], "normalise to the same key 'w'"),
+                                         (["module.w", "w"], "normalise to the same key 'w'"),
+                                         (["", "b"], "non-empty string")])
+def test_names_that_would_share_random_bits_are_refused(names, match):
+    params = [nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)) for _ in names]
+    with pytest.raises(ValueError, match=match):
+        AdamWSR(list(zip(names, params)))

@@ -105,5 +105,43 @@ def test_fsdp2_checkpoint_whose_weights_changed_is_refused(warmup_cache, tmp_pat
     meta = json.loads(meta_path.read_text())
     meta["sr"]["step"] += 1  # the masters would round with another step's bits
     meta_path.write_text(json.dumps(meta))
+    with pytest.raises(AssertionError, match=r"files differ from those written: \['dist_sr.json'\]"):
+        run_workers(_reshard_worker, 1, {**data, "grpo": {**data["grpo"], "steps": 3}}, str(tmp_path / "a"))
+    # with the manifest rewritten to match (a writer that recorded the wrong step), the digest
+    # of the re-derived weights still refuses it
+    from dist_sr.engines.checkpoints import write_manifest
+
+    write_manifest(meta_path.parent)
     with pytest.raises(AssertionError, match="working weights re-derived from the loaded masters have digest"):
         run_workers(_reshard_worker, 1, {**data, "grpo": {**data["grpo"], "steps": 3}}, str(tmp_path / "a"))
+
+
+def _nonfinite_worker(rank, world_size, data, out):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from dist_sr.rl.config import load_experiment
+    from dist_sr.rl.trainer import NonFiniteTraining, train
+
+    try:
+        train(load_experiment(data), progress=False)
+        message = "finished"
+    except NonFiniteTraining as exc:
+        message = str(exc)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(message)
+
+
+def test_deepspeed_bf16_never_steps_on_a_non_finite_loss(warmup_cache, tmp_path):
+    """ZeRO-2 in BF16 has no loss scaler to skip bad steps: the trainer must, on every rank
+    together, before DeepSpeed applies anything; three in a row stop the run, nothing is saved."""
+    data = {k: dict(v) for k, v in EASY.items()}
+    data["warmup"]["cache_dir"] = warmup_cache
+    data["grpo"].update(steps=12, lr=1e30)
+    data.update(output_dir=str(tmp_path / "run"), precision="bf16-sr", checkpoint_every=0,
+                distributed={"engine": "deepspeed", "zero_stage": 2})
+    run_workers(_nonfinite_worker, 2, data, str(tmp_path / "outcome"))
+    for rank in (0, 1):
+        assert "steps 2..4 had a non-finite loss or gradient" in (tmp_path / f"outcome.{rank}").read_text()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["step"], r["nonfinite"], r["skipped"]) for r in rows[1:]] == [
+        (1, False, False), (2, True, True), (3, True, True), (4, True, True)]
+    assert not (tmp_path / "run" / "deepspeed").exists()

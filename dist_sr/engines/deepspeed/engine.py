@@ -4,15 +4,17 @@ SR block, and the hook (``hook``) rounds where DeepSpeed copies its masters."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ...optim import StickingMeter, optimizer_class
 from ...numerics.digest import combine
 from ...sources import ReplicatedSource, WeightSource, add_rank_sums, layout_free_digest
 from ..base import TrainSettings
-from ..checkpoints import prune_checkpoints
+from ..checkpoints import CheckpointCorrupt, prune_checkpoints, step_dirs, verify_manifest, write_manifest
 from .config import config_for_precision
 from .hook import initialize
 from .source import ZeRO3Source
@@ -86,20 +88,53 @@ class DeepSpeedEngine:
         if digest != expected:
             raise RuntimeError(f"not saving step {step}: the BF16 working weights (digest {digest}) are not the keyed "
                                f"rounding of the FP32 masters ({expected}); the previous checkpoint is kept")
+        bad = torch.tensor([float(not self._finite())])
+        dist.all_reduce(bad)
+        if bad.item():
+            raise RuntimeError(f"not saving step {step}: the weights or FP32 masters hold NaN or Inf on "
+                               f"{int(bad.item())} rank(s); the previous checkpoint is kept")
         root = path / "deepspeed"
         self.engine.save_checkpoint(str(root), tag=f"step{step}",
                                     client_state={"dist_sr_step": step, "dist_sr_digest": digest})
         dist.barrier()
         if self.rank == 0:
+            write_manifest(root / f"step{step}")  # SHA-256 of every file, checked before loading
             prune_checkpoints(root)
         dist.barrier()
 
+    def _finite(self) -> bool:
+        tensors = [p.data for p in self.module.parameters()]
+        sr = getattr(self.engine, "dist_sr", None)
+        if sr is not None:
+            tensors += [hp for _, hp, _ in sr.layout.master_pieces()]
+        return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
     def load(self, path: Path) -> int | None:
-        """The checkpoint DeepSpeed's ``latest`` names; refused unless the loaded working weights and
-        the rounding of the loaded masters both have the digest recorded at save time."""
-        if not (path / "deepspeed" / "latest").exists():
+        """The checkpoint DeepSpeed's ``latest`` names, or, if its files do not match their manifest,
+        the previous complete one (with a warning naming why); refused unless the loaded working
+        weights and the rounding of the loaded masters both have the digest recorded at save time."""
+        root = path / "deepspeed"
+        if not (root / "latest").exists():
             return None
-        tag, client = self.engine.load_checkpoint(str(path / "deepspeed"))  # the tag DeepSpeed's 'latest' names
+        named = root / (root / "latest").read_text().strip()
+        choice: list = [None, []]  # rank 0 verifies the files once; every rank loads its choice
+        if self.rank == 0:
+            for candidate in [named] + [d for d in step_dirs(root) if d != named]:
+                try:
+                    verify_manifest(candidate)
+                except (CheckpointCorrupt, OSError, ValueError) as exc:
+                    choice[1].append(str(exc))
+                    continue
+                choice[0] = candidate.name
+                break
+        dist.broadcast_object_list(choice, src=0)
+        chosen, problems = choice
+        if chosen is None:
+            raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
+        if problems and self.rank == 0:
+            warnings.warn(f"dist_sr: resuming from {root / chosen}; refused newer: {'; '.join(problems)}",
+                          RuntimeWarning, stacklevel=2)
+        tag, client = self.engine.load_checkpoint(str(root), tag=chosen)
         if tag is None:
             raise RuntimeError(f"{path / 'deepspeed'}: DeepSpeed found no loadable checkpoint at the tag 'latest' names")
         if self.meter is not None:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,7 +20,8 @@ from ...optim import optimizer_class
 from ...numerics.digest import combine
 from ...sources import add_rank_sums, layout_free_digest
 from ..base import TrainSettings
-from ..checkpoints import prune_checkpoints, write_atomic
+from ..checkpoints import (CheckpointCorrupt, prune_checkpoints, step_dirs, verify_manifest, write_atomic,
+                           write_manifest)
 from .apply import apply_fsdp2, pure_bf16_optimizer
 from .hook import sharded_state_dict
 from .source import FSDP2Source, sent_sums
@@ -47,9 +50,12 @@ class FSDP2Engine:
 
     def step(self) -> tuple[float, bool]:
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # the same on every rank
+        if not math.isfinite(norm):  # NaN never reaches the masters
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, False
         self.optimizer.step()
-        return float(norm), True
+        return norm, True
 
     def digest(self) -> str:
         """Layout-free digest of the working weights as the forward used them: with SR, the BF16
@@ -87,6 +93,11 @@ class FSDP2Engine:
         if (root / "latest").exists() and (root / "latest").read_text().strip() == final.name:
             raise RuntimeError(f"{final} is the latest checkpoint; saving step {step} again would replace it in "
                                "place (no step has run since it was written)")
+        bad = torch.tensor([float(not _all_finite(self._state()))])
+        dist.all_reduce(bad)
+        if bad.item():
+            raise RuntimeError(f"not saving step {step}: the masters or the optimizer state hold NaN or Inf on "
+                               f"{int(bad.item())} rank(s); the previous checkpoint is kept")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
@@ -97,6 +108,7 @@ class FSDP2Engine:
             meta = {"step": step, "world": self.world, "digest": digest, "sr": self.ctx.state_dict() if self.ctx else None,
                     "optimizer": getattr(self.optimizer, "dist_sr_meta", lambda: None)()}
             write_atomic(tmp / "dist_sr.json", json.dumps(meta, indent=1))
+            write_manifest(tmp)  # SHA-256 of every shard file, checked before loading
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after its rename
             os.replace(tmp, final)
             write_atomic(root / "latest", final.name)
@@ -104,12 +116,33 @@ class FSDP2Engine:
         dist.barrier()  # nobody returns (or reads 'latest') before the rename
 
     def load(self, path: Path) -> int | None:
-        """Resume from ``fsdp2/latest`` (written at any world size); checks that the working
-        weights re-derived from the loaded masters have the digest recorded at save time."""
-        latest = path / "fsdp2" / "latest"
+        """Resume from ``fsdp2/latest`` (written at any world size), or, if its files do not match
+        their manifest, from the previous complete checkpoint (with a warning naming why). Checks
+        that the working weights re-derived from the loaded masters have the digest recorded at
+        save time."""
+        root = path / "fsdp2"
+        latest = root / "latest"
         if not latest.exists():
             return None
-        ckpt = path / "fsdp2" / latest.read_text().strip()
+        named = root / latest.read_text().strip()
+        choice: list = [None, []]  # rank 0 verifies the files once; every rank loads its choice
+        if self.rank == 0:
+            for candidate in [named] + [d for d in step_dirs(root) if d != named]:
+                try:
+                    verify_manifest(candidate)
+                except (CheckpointCorrupt, OSError, ValueError) as exc:
+                    choice[1].append(str(exc))
+                    continue
+                choice[0] = str(candidate)
+                break
+        dist.broadcast_object_list(choice, src=0)
+        chosen, problems = choice
+        if chosen is None:
+            raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
+        ckpt = Path(chosen)
+        if problems and self.rank == 0:
+            warnings.warn(f"dist_sr: resuming from {ckpt}; refused newer: {'; '.join(problems)}", RuntimeWarning,
+                          stacklevel=2)
         meta = json.loads((ckpt / "dist_sr.json").read_text())
         if (meta["sr"] is None) != (self.ctx is None):
             raise ConfigError(f"{ckpt} was saved {'without' if meta['sr'] is None else 'with'} SR; resume it with "
@@ -124,3 +157,18 @@ class FSDP2Engine:
             raise RuntimeError(f"{ckpt}: working weights re-derived from the loaded masters have digest {digest}, "
                                f"the checkpoint recorded {meta['digest']} (saved by {meta['world']} ranks)")
         return int(meta["step"])
+
+
+def _all_finite(state) -> bool:
+    """Whether every floating-point tensor (local shards of DTensors) in ``state`` is finite."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return all(_all_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_all_finite(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        local = local._data if hasattr(local, "_data") else local  # an SR shadow's FP32 storage
+        return not local.is_floating_point() or bool(torch.isfinite(local).all())
+    return True
