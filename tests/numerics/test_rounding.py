@@ -275,20 +275,41 @@ def test_bad_row_stride_is_refused():
         stochastic_round(torch.zeros(4, 8), seed=1, step=1, param="w", row_stride=4)
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    import time
+def test_a_build_killed_mid_way_never_blocks_the_next_one(tmp_path):
+    """A builder SIGKILLed while it holds the build (cpp_extension's ``lock`` file left behind):
+    the next builder waits while it lives, and goes ahead, removing the dead one's lock file, the
+    moment it dies (before, every later process waited 15 minutes or forever)."""
+    import threading
 
-    from dist_sr.numerics.backends import cpu as cpu_kernel
+    from dist_sr.numerics.backends.cpu import _BuildLock
 
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    cpu_kernel._clear_stale_lock(str(tmp_path))
-    assert lock.exists()  # a build may be running
-    old = time.time() - cpu_kernel.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    with pytest.warns(RuntimeWarning, match="stale build lock"):
-        cpu_kernel._clear_stale_lock(str(tmp_path))
-    assert not lock.exists()
+    build = tmp_path / "build"
+    build.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from dist_sr.numerics.backends.cpu import _BuildLock; "
+        f"l = _BuildLock({str(build)!r}).__enter__(); open({str(build / 'lock')!r}, 'w').close(); "
+        "print('held', flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def next_builder():
+            with pytest.warns(RuntimeWarning, match="left by a build that was killed"):
+                with _BuildLock(str(build)):
+                    entered.set()
+
+        t = threading.Thread(target=next_builder)
+        t.start()
+        assert not entered.wait(1.0)  # a live builder holds it
+        assert (build / "lock").exists()
+        holder.kill()
+        holder.wait()
+        assert entered.wait(10.0)
+        t.join()
+        assert not (build / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("shift", [0, 1, 16, 32])  # element offset of `out` inside its buffer: 64-, 2-, 32-, 64-byte aligned

@@ -54,22 +54,30 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
-STALE_LOCK_SECONDS = 900
+class _BuildLock:
+    """An exclusive ``flock`` on ``<build dir>.build-lock`` held around the build. The kernel
+    releases it when its holder dies, so, while holding it, a ``lock`` file that cpp_extension left
+    in the build directory can only be a dead builder's (a process killed mid-build, which would
+    otherwise make every later process wait forever) and is removed."""
 
+    def __init__(self, build_dir: str):
+        self.build_dir = Path(build_dir)
 
-def _clear_stale_lock(build_dir: str) -> None:
-    """cpp_extension waits forever on a lock left by a process killed mid-build; a build takes
-    under a minute, so a lock older than STALE_LOCK_SECONDS is removed (with a warning)."""
-    import time
+    def __enter__(self):
+        import fcntl
 
-    lock = Path(build_dir) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        warnings.warn(f"dist_sr: removing a stale build lock {lock} ({age:.0f} s old)", RuntimeWarning, stacklevel=3)
-        lock.unlink(missing_ok=True)
+        self.build_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(str(self.build_dir) + ".build-lock", "w")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        stale = self.build_dir / "lock"
+        if stale.exists():
+            warnings.warn(f"dist_sr: removing {stale}, left by a build that was killed", RuntimeWarning, stacklevel=3)
+            stale.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()  # releases the flock
+        return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,18 +91,18 @@ def load() -> ModuleType:
         from torch.utils import cpp_extension
 
         name = f"dist_sr_cpu_{_cpu_fingerprint()}_{_env_fingerprint()}"
-        _clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         # no FMA contraction (bits must match the reference); no errno from sqrt, so it vectorises
         flags = ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-mprefer-vector-width=512")
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _BuildLock(cpp_extension._get_build_directory(name, verbose=False)):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # compiler missing, headers missing, build error
         raise KernelUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}") from exc
 
