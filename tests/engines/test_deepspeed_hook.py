@@ -209,3 +209,50 @@ def test_a_broken_dist_sr_install_fails_the_deepspeed_import_with_the_fix(tmp_pa
     r = _python(code)
     assert r.returncode != 0 and "could not import dist_sr" in r.stderr and "deepspeed-hook uninstall" in r.stderr
     assert _python(code, DIST_SR_DEEPSPEED_HOOK="0").returncode == 0
+
+
+def _reference_model_worker(rank, world, out):
+    """What TRL does with ``beta > 0``: a second, optimizer-less engine built from the policy's
+    config (SR block included), next to a ZeRO-2 and a ZeRO-3 policy."""
+    import logging
+
+    import torch
+
+    from dist_sr.engines.deepspeed.hook import hooked_initialize
+    from tests.engines.models import tiny_qwen2
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("dist_sr.deepspeed").addHandler(handler)
+    init = hooked_initialize(deepspeed.initialize)
+    result = {}
+    for stage in (2, 3):
+        config = {**BASE, "zero_optimization": {"stage": stage}, "stochastic_rounding": SR}
+        policy = tiny_qwen2()
+        engine, *_ = init(model=policy, model_parameters=policy.parameters(), config=config)
+        loaded = {n: p.detach().to(torch.bfloat16).clone() for n, p in tiny_qwen2().named_parameters()}
+        # as TRL's prepare_deepspeed builds it: no optimizer, ZeRO-3 kept, any other stage made 0
+        ref_config = {k: v for k, v in config.items() if k != "optimizer"}
+        ref_config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+        ref, *_ = init(model=tiny_qwen2(), config=ref_config)
+        with deepspeed.zero.GatheredParameters(list(ref.module.parameters()), enabled=stage == 3):
+            as_loaded = all(torch.equal(p.detach().to(torch.bfloat16), loaded[n]) for n, p in ref.module.named_parameters())
+        result[stage] = {"policy": hasattr(engine, "dist_sr"), "ref": hasattr(ref, "dist_sr"), "as_loaded": as_loaded}
+    result["log"] = seen
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+def test_reference_models_built_from_the_training_config_are_left_alone_and_logged(tmp_path):
+    from tests.dist_utils import run_workers
+
+    run_workers(_reference_model_worker, 1, str(tmp_path / "r.json"))
+    r = json.loads((tmp_path / "r.json").read_text())
+    for stage in ("2", "3"):
+        assert r[stage] == {"policy": True, "ref": False, "as_loaded": True}, (stage, r)
+    attached = [m for m in r["log"] if "keyed SR attached" in m]
+    skipped = [m for m in r["log"] if "no SR for DeepSpeed engine" in m]
+    assert len(attached) == 2 and "ZeRO stage 2" in attached[0] and "ZeRO stage 3" in attached[1]
+    assert len(skipped) == 2 and all("Qwen2ForCausalLM" in m and "no optimizer" in m for m in skipped)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import weakref
 from typing import Any
 
@@ -44,6 +45,8 @@ from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
 from .config import CONFIG_KEY, SRConfig, load_ds_config, split_config
 from .version import UnsupportedDeepSpeed, check_version
+
+log = logging.getLogger("dist_sr.deepspeed")
 
 
 def initialize(*args: Any, **kwargs: Any):
@@ -67,11 +70,35 @@ def hooked_initialize(original):
             return original(*args, **kwargs)
         check_version()  # before any work is done
         result = original(*args, **kwargs)
-        attach(result[0], seed=sr.seed, mode=sr.mode)
+        engine = result[0]
+        reason = untrained(engine)
+        if reason:  # a reference or eval model built from the training config: its weights stay as loaded
+            log.warning("dist-sr: no SR for DeepSpeed engine of %s: %s", type(engine.module).__name__, reason)
+            return result
+        attach(engine, seed=sr.seed, mode=sr.mode)
+        log.warning("dist-sr: keyed SR attached to DeepSpeed engine of %s (ZeRO stage %d, seed %d, mode %s)",
+                    type(engine.module).__name__, engine.zero_optimization_stage(), sr.seed, sr.mode)
         return result
 
     wrapper.__dist_sr_hook__ = True
     return wrapper
+
+
+def untrained(engine) -> str | None:
+    """Why ``engine`` never updates its weights, or None if it trains: DeepSpeed's own test (no
+    client optimizer and no ``optimizer`` section), as for a reference or eval model built from
+    the policy's config (TRL with ``beta > 0``); DeepSpeed then wraps a ``DummyOptim`` or, at
+    ZeRO-3, only offloads parameters."""
+    if getattr(engine, "client_optimizer", None) is None and not engine.optimizer_name():
+        return "it has no optimizer (a reference or eval model)"
+    opt = getattr(engine, "optimizer", None)
+    from deepspeed.runtime.utils import DummyOptim
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    if opt is None or isinstance(opt, (DummyOptim, DeepSpeedZeRoOffload)) or isinstance(
+            getattr(opt, "optimizer", None), DummyOptim):
+        return "it has no optimizer (a reference or eval model)"
+    return None
 
 
 def take_sr_block(args: tuple, kwargs: dict) -> tuple[SRConfig | None, tuple, dict]:
