@@ -31,7 +31,7 @@ import yaml
 
 from ..config import ConfigError, parse_overrides
 from ..engines import engine_names, init_distributed
-from ..engines.deepspeed.config import precision_of_config
+from ..engines.deepspeed.config import hyperparameter_conflicts, precision_of_config, shared_hyperparameters
 from ..engines.fsdp2.config import FSDP2Config
 from ..net import free_port
 from ..rl.config import ExperimentConfig, load_experiment
@@ -135,6 +135,7 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
         cfg = load_experiment(source, overrides)
     if engine == "deepspeed" and cfg.distributed.deepspeed_config:
         cfg = _agree_on_precision(args, cfg, overrides)
+        cfg = _agree_on_hyperparameters(args, cfg, overrides)
 
     world = _int_env(env, "WORLD_SIZE")
     launched = world is not None
@@ -178,13 +179,40 @@ def _agree_on_precision(args, cfg: ExperimentConfig, overrides: dict) -> Experim
     raw = yaml.safe_load(Path(args.config).read_text()) or {} if args.config else {}
     explicit = "precision" in raw or any(k == "precision" or k.startswith("precision.") for k in overrides)
     if not explicit:
-        return load_experiment(args.config or {}, {**overrides, "precision": ds})
+        overrides["precision"] = ds  # kept for later reloads (_agree_on_hyperparameters)
+        return load_experiment(args.config or {}, overrides)
     mine = cfg.precision
     if mine.precision != ds["precision"] or ("seed" in ds and ds["seed"] != mine.seed):
         theirs = ds["precision"] + (f" (seed {ds['seed']})" if "seed" in ds else "")
         raise ConfigError(f"precision {mine.precision} (seed {mine.seed}) in the experiment config contradicts "
                           f"{path}, which says {theirs}; make them agree, or drop the experiment's precision "
                           "section to take the DeepSpeed config's")
+    return cfg
+
+
+def _agree_on_hyperparameters(args, cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
+    """One source of truth for lr, betas, eps, weight decay and gradient clipping: values the
+    DeepSpeed JSON states are adopted where the experiment does not set them, and a value both
+    set differently is an error (the trainer would otherwise use one and silently drop the other)."""
+    path = cfg.distributed.deepspeed_config
+    ds = json.loads(Path(path).read_text())
+    try:
+        theirs = shared_hyperparameters(ds, cfg.grpo.optimizer)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    raw = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
+    grpo = raw.get("grpo") or {}
+    explicit = {f for f in theirs if f in grpo or f"grpo.{f}" in overrides}
+    adopt = {f"grpo.{f}": list(v) if f == "betas" else v for f, v in theirs.items() if f not in explicit}
+    if adopt:
+        cfg = load_experiment(args.config or {}, {**overrides, **adopt})
+    g = cfg.grpo
+    values = {"lr": g.lr, "betas": g.betas, "eps": g.eps, "weight_decay": g.weight_decay,
+              "max_grad_norm": g.max_grad_norm}
+    conflicts = hyperparameter_conflicts(ds, values, g.optimizer)
+    if conflicts:
+        raise ConfigError(f"the experiment and {path} disagree: {'; '.join(conflicts)}; make them equal, or drop "
+                          "one of the two (an unset experiment value takes the JSON's)")
     return cfg
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from dist_sr.config import ConfigError
 from dist_sr.launch.planner import build_parser, plan
@@ -66,6 +67,29 @@ def test_a_deepspeed_json_sets_the_precision_when_the_experiment_has_none(tmp_pa
         _plan(["--deepspeed_config", str(tmp_path / "bad.json")])
 
 
+def test_the_deepspeed_json_and_the_experiment_have_one_set_of_hyperparameters(tmp_path):
+    """Values the JSON states are adopted where the experiment is silent; a value both state
+    differently is an error naming both (never one silently replacing the other)."""
+    ds = json.loads(open(DS_SR).read())
+    ds["optimizer"]["params"].update(lr=2e-5, betas=[0.9, 0.95], weight_decay=0.1)
+    ds["gradient_clipping"] = 0.5
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    g = _plan(["--deepspeed_config", str(tmp_path / "ds.json")]).config.grpo
+    assert (g.lr, g.betas, g.weight_decay, g.max_grad_norm) == (2e-5, (0.9, 0.95), 0.1, 0.5)
+    with pytest.raises(ConfigError, match=r"grpo.lr=1e-05 vs the JSON's optimizer.params.lr=2e-05"):
+        _plan(["--deepspeed_config", str(tmp_path / "ds.json"), "--set", "grpo.lr=1e-5"])
+    cfg = write_experiment(tmp_path / "e.yaml", grpo={"max_grad_norm": 2.0})
+    with pytest.raises(ConfigError, match=r"grpo.max_grad_norm=2.0 vs the JSON's gradient_clipping=0.5"):
+        _plan(["--config", str(cfg), "--deepspeed_config", str(tmp_path / "ds.json")])
+    assert _plan(["--deepspeed_config", str(tmp_path / "ds.json"), "--set", "grpo.lr=2e-5"]).config.grpo.lr == 2e-5
+    ds["gradient_clipping"] = 0.0
+    (tmp_path / "off.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match="turns clipping off"):
+        _plan(["--deepspeed_config", str(tmp_path / "off.json")])
+    with pytest.raises(ConfigError, match="configures optimizer 'AdamW' but the trainer's is grpo.optimizer='sgd'"):
+        _plan(["--deepspeed_config", DS_SR, "--set", "grpo.optimizer=sgd"])
+
+
 def test_errors_reach_the_user_as_exit_code_2_with_the_message():
     r = subprocess.run([sys.executable, ENTRY, "--config", "nope.yaml"], capture_output=True, text=True)
     assert r.returncode == 2 and "--config nope.yaml: no such file" in r.stderr
@@ -93,6 +117,9 @@ def test_deepspeed_launcher_runs_a_two_process_zero2_job(tmp_path, launch_env, w
     cfg = write_experiment(tmp_path / "e.yaml", distributed={"engine": "deepspeed"},
                            output_dir=str(tmp_path / "run"), warmup={"cache_dir": warmup_cache})
     cfg.write_text(cfg.read_text().replace("precision: bf16-sr\n", ""))
+    data = yaml.safe_load(cfg.read_text())
+    del data["grpo"]["lr"]  # no lr and no precision in the experiment: both come from the JSON
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     r = subprocess.run(["deepspeed", "--num_gpus=2", f"--master_port={free_port()}", ENTRY, "--config", str(cfg),
                         "--deepspeed_config", DS_SR, "--no-progress"], env=launch_env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
@@ -103,3 +130,4 @@ def test_deepspeed_launcher_runs_a_two_process_zero2_job(tmp_path, launch_env, w
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert "precision: bf16-sr\n  seed: 1234" in saved  # taken from the DeepSpeed JSON's SR block
+    assert yaml.safe_load(saved)["grpo"]["lr"] == 5e-6  # and the JSON's optimizer lr

@@ -110,3 +110,49 @@ def load_ds_config(config) -> dict:
     except ImportError:  # pragma: no cover - other DeepSpeed versions are refused before use anyway
         return json.loads(Path(config).read_text())
     return copy.deepcopy(load_ds_config(str(config)))
+
+
+# The trainer's hyperparameters that a DeepSpeed JSON may also state: field -> where in the JSON.
+SHARED_HYPERPARAMETERS = {"lr": ("optimizer", "params", "lr"), "betas": ("optimizer", "params", "betas"),
+                          "eps": ("optimizer", "params", "eps"),
+                          "weight_decay": ("optimizer", "params", "weight_decay"),
+                          "max_grad_norm": ("gradient_clipping",)}
+ADAMW_TYPES = ("adamw",)
+
+
+def shared_hyperparameters(ds: dict, optimizer: str) -> dict:
+    """What ``ds`` says about the trainer's hyperparameters (``SHARED_HYPERPARAMETERS`` fields it
+    sets; HF-style ``"auto"`` counts as unset). Raises ``ValueError`` naming the conflict when the
+    JSON configures an optimizer other than the trainer's (``optimizer``) or disables clipping,
+    which dist-sr's trainer always does."""
+    opt = ds.get("optimizer")
+    if opt is not None:
+        kind = str(opt.get("type", "")).lower()
+        if optimizer != "adamw" or kind not in ADAMW_TYPES:
+            raise ValueError(f"the DeepSpeed JSON configures optimizer {opt.get('type')!r} but the trainer's is "
+                             f"grpo.optimizer={optimizer!r}; remove the JSON's optimizer section (the trainer's is "
+                             "used) or make them the same (AdamW)")
+    out = {}
+    for field, path in SHARED_HYPERPARAMETERS.items():
+        node = ds
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None or node == "auto":
+            continue
+        if field == "max_grad_norm" and float(node) <= 0:
+            raise ValueError(f"the DeepSpeed JSON's gradient_clipping={node} turns clipping off; dist-sr's trainer "
+                             "clips at grpo.max_grad_norm (> 0): set gradient_clipping to that value or remove it")
+        out[field] = tuple(float(b) for b in node) if field == "betas" else float(node)
+    return out
+
+
+def hyperparameter_conflicts(ds: dict, values: dict, optimizer: str) -> list[str]:
+    """``field: trainer X, JSON Y`` for each hyperparameter both state and disagree on."""
+    theirs = shared_hyperparameters(ds, optimizer)
+    out = []
+    for field, v in theirs.items():
+        mine = tuple(float(b) for b in values[field]) if field == "betas" else float(values[field])
+        if mine != v:
+            out.append(f"grpo.{field}={list(mine) if field == 'betas' else mine} vs the JSON's "
+                       f"{'.'.join(SHARED_HYPERPARAMETERS[field])}={list(v) if field == 'betas' else v}")
+    return out

@@ -15,7 +15,8 @@ from ...numerics.digest import combine
 from ...sources import ReplicatedSource, WeightSource, add_rank_sums, layout_free_digest
 from ..base import TrainSettings
 from ..checkpoints import CheckpointCorrupt, prune_checkpoints, step_dirs, verify_manifest, write_manifest
-from .config import config_for_precision
+from ...config import ConfigError
+from .config import config_for_precision, hyperparameter_conflicts
 from .hook import initialize
 from .source import ZeRO3Source
 
@@ -30,6 +31,15 @@ class DeepSpeedEngine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         base = json.loads(Path(d.deepspeed_config).read_text()) if d.deepspeed_config else {
             "zero_optimization": {"stage": d.zero_stage}, "steps_per_print": 10**9}
+        try:  # the launcher adopts the JSON's values; a caller that bypassed it must not disagree
+            conflicts = hyperparameter_conflicts(base, {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps,
+                                                        "weight_decay": settings.weight_decay,
+                                                        "max_grad_norm": settings.max_grad_norm}, settings.optimizer)
+        except ValueError as exc:
+            raise ConfigError(f"{d.deepspeed_config}: {exc}") from None
+        if conflicts:
+            raise ConfigError(f"the trainer's settings and {d.deepspeed_config} disagree: {'; '.join(conflicts)}; "
+                              "make them equal (dist-sr's launcher adopts the JSON's where the experiment is silent)")
         base.update({
             "train_micro_batch_size_per_gpu": settings.batch_per_rank,
             "gradient_accumulation_steps": 1,
