@@ -101,7 +101,7 @@ def candidates(shapes, device: str) -> dict:
 
     def shadow_optimizer():
         params = make_params(shapes, device, torch.bfloat16)
-        opt = ShadowOptimizer(params, torch.optim.AdamW, lr=1e-5, seed=1, fused=True)
+        opt = ShadowOptimizer(params, torch.optim.AdamW, lr=1e-5, seed=1, fused=True, skip_nonfinite=False)
         return opt.step, (params, opt)
 
     def adamw_sr(moments):
@@ -116,7 +116,7 @@ def candidates(shapes, device: str) -> dict:
         "torch AdamW(fused) directly on BF16 params": torch_bf16,
         "ShadowAdamW": shadow_adamw(),
         "ShadowAdamW, nearest (RTN) for comparison": shadow_adamw("nearest"),
-        "ShadowOptimizer(torch.optim.AdamW, fused=True), SR": shadow_optimizer,
+        "ShadowOptimizer(torch.optim.AdamW, fused=True, skip_nonfinite=False), SR": shadow_optimizer,
         "AdamWSR, FP32 moments": adamw_sr("fp32"),
         "AdamWSR, BF16 moments": adamw_sr("bf16"),
     }

@@ -68,10 +68,12 @@ def optimizer_candidates(n: int) -> dict:
     plain = torch.optim.AdamW([fp32], lr=1e-5, fused=True)
     work = torch.nn.Parameter(torch.randn(n).to(torch.bfloat16))
     work.grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
-    shadow_sr = ShadowOptimizer([("w", work)], torch.optim.AdamW, lr=1e-5, fused=True, mode="stochastic")
+    shadow_sr = ShadowOptimizer([("w", work)], torch.optim.AdamW, lr=1e-5, fused=True, mode="stochastic",
+                                skip_nonfinite=False)
     work_rtn = torch.nn.Parameter(work.detach().clone())
     work_rtn.grad = work.grad.clone()
-    shadow_rtn = ShadowOptimizer([("w", work_rtn)], torch.optim.AdamW, lr=1e-5, fused=True, mode="nearest")
+    shadow_rtn = ShadowOptimizer([("w", work_rtn)], torch.optim.AdamW, lr=1e-5, fused=True, mode="nearest",
+                                skip_nonfinite=False)
     work_fused = torch.nn.Parameter(work.detach().clone())
     work_fused.grad = work.grad.clone()
     fused_sr = ShadowAdamW([("w", work_fused)], lr=1e-5, mode="stochastic")

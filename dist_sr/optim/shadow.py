@@ -34,6 +34,10 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
         seed, mode: the rounding key's seed and mode (``nearest``, ``stochastic``, ``dither``).
             FP16 working weights support ``nearest`` only.
         loss_scaler: a ``DynamicLossScaler`` for FP16 working weights (skips inf/NaN steps).
+        skip_nonfinite: without a loss scaler, a step whose gradients hold inf/NaN is skipped too
+            (no update, no new key step; counted in ``skipped_steps``), so one bad batch never
+            turns the shadows into NaN. It reuses the norm from ``clip_grad_norm_`` when that was
+            called, else costs one norm pass; one host sync either way. Not with ``capturable``.
         capturable: keep the key's step on the device and derive each step's keys there, so
             ``step()`` can be captured in a CUDA graph and replayed (CUDA, BF16 weights; give
             the inner optimizer its own capturable option). Run one step before capturing.
@@ -53,11 +57,18 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
         loss_scaler: DynamicLossScaler | None = None,
         backend: str = "auto",
         capturable: bool = False,
+        skip_nonfinite: bool | None = None,
         **optimizer_kwargs: Any,
     ):
         self.seed, self.mode, self.backend = seed, check_mode(mode), backend
         self._counter = StepCounter()
         self.loss_scaler = loss_scaler
+        if skip_nonfinite and capturable:
+            raise ValueError("skip_nonfinite needs a host decision per step, which a captured CUDA graph cannot make; "
+                             "use capturable=False, or check the gradients before replaying")
+        self.skip_nonfinite = (not capturable) if skip_nonfinite is None else skip_nonfinite
+        self.skipped_steps = 0  # steps skipped for non-finite gradients without a loss scaler
+        self._norm: torch.Tensor | None = None
         groups = named_param_groups(params)
         self._pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, working, shadow)
         inner_groups = []
@@ -150,8 +161,17 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
         found_inf = False
         if self.loss_scaler is not None:
             found_inf = self.loss_scaler.unscale_(s.grad for _, _, s in self._pairs if s.grad is not None)
-        self._grads_in_shadows, self._found_inf = True, found_inf
+        self._grads_in_shadows, self._found_inf, self._norm = True, found_inf, None
         return found_inf
+
+    def _nonfinite(self) -> bool:
+        """Without a loss scaler: whether this step's FP32 gradients hold inf/NaN."""
+        if self._norm is None:
+            grads = [s.grad for _, _, s in self._pairs if s.grad is not None]
+            if not grads:
+                return False
+            self._norm = torch.stack([n.to(torch.float32) for n in torch._foreach_norm(grads)]).sum()
+        return not bool(torch.isfinite(self._norm))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the FP32 (unscaled) gradients; returns their total norm before clipping."""
@@ -159,7 +179,8 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
         shadows = [s for _, _, s in self._pairs if s.grad is not None]
         if found_inf or not shadows:
             return torch.tensor(float("inf") if found_inf else 0.0)
-        return torch.nn.utils.clip_grad_norm_(shadows, max_norm, norm_type=norm_type, foreach=True)
+        self._norm = torch.nn.utils.clip_grad_norm_(shadows, max_norm, norm_type=norm_type, foreach=True)
+        return self._norm
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -174,7 +195,10 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_inf = self._move_grads()
-        self._grads_in_shadows = False
+        if self.loss_scaler is None and self.skip_nonfinite and self._nonfinite():
+            self.skipped_steps += 1
+            found_inf = True
+        self._grads_in_shadows, self._norm = False, None
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         if found_inf:
@@ -296,8 +320,10 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  *, seed: int = 0, mode: str = "stochastic", working_dtype=None, backend: str = "auto",
                  capturable: bool = False):
+        # the fused pass makes no host decision per step: non-finite gradients are the caller's to
+        # check (the trainer skips on the norm clip_grad_norm_ returns)
         super().__init__(params, torch.optim.AdamW, seed=seed, mode=mode, working_dtype=working_dtype,
-                         backend=backend, capturable=capturable, lr=lr, betas=betas, eps=eps,
+                         backend=backend, capturable=capturable, skip_nonfinite=False, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, foreach=False)
         for name, p, _ in self._pairs:
             if p.dtype != torch.bfloat16:

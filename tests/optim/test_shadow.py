@@ -166,6 +166,39 @@ def test_fp16_overflow_skips_the_step_and_shrinks_the_scale():
     assert opt.step_count == 1
 
 
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_gradient_without_a_loss_scaler_skips_the_step_and_training_goes_on_as_if_it_never_came(bad, clip):
+    """One poisoned batch: no update, no new key step, no moment touched, counted; the run then
+    continues bit for bit like one that never saw it."""
+    model_a, model_b = tiny_model(), tiny_model()
+    opt_a = ShadowOptimizer(model_a.named_parameters(), torch.optim.AdamW, lr=1e-2, seed=4)
+    opt_b = ShadowOptimizer(model_b.named_parameters(), torch.optim.AdamW, lr=1e-2, seed=4)
+    train(model_a, opt_a, 3)
+    train(model_b, opt_b, 3)
+    state = {k: v.clone() for k, v in opt_a.state[opt_a.named_shadows()[0][2]].items()}
+    model_a(torch.randn(8, 16).bfloat16()).float().pow(2).mean().backward()
+    next(model_a.parameters()).grad.view(-1)[5] = bad
+    if clip:
+        assert not math.isfinite(opt_a.clip_grad_norm_(1.0))  # the norm it reports is reused, not recomputed
+    opt_a.step()
+    assert opt_a.step_count == 3 and opt_a.skipped_steps == 1
+    for k, v in opt_a.state[opt_a.named_shadows()[0][2]].items():
+        assert torch.equal(v, state[k]), k
+    opt_a.zero_grad()
+    train(model_a, opt_a, 4, seed=9)
+    train(model_b, opt_b, 4, seed=9)
+    for (_, pa, sa), (_, pb, sb) in zip(opt_a.named_shadows(), opt_b.named_shadows()):
+        assert torch.equal(bits16(pa.data), bits16(pb.data)) and torch.equal(sa, sb)
+    assert all(torch.isfinite(p).all() for p in model_a.parameters())
+    # opting out trains on it (and the shadows become NaN): the default is what keeps a run alive
+    raw = ShadowOptimizer(model_b.named_parameters(), torch.optim.AdamW, lr=1e-2, skip_nonfinite=False)
+    model_b(torch.randn(8, 16).bfloat16()).float().pow(2).mean().backward()
+    next(model_b.parameters()).grad.view(-1)[5] = float("nan")
+    raw.step()
+    assert raw.skipped_steps == 0 and not torch.isfinite(raw.named_shadows()[0][2]).all()
+
+
 def test_sr_into_fp16_weights_is_refused():
     with pytest.raises(ValueError, match="BF16 working weights only"):
         ShadowOptimizer(tiny_model(dtype=torch.float16).named_parameters(), mode="stochastic")
