@@ -1,7 +1,7 @@
 """Mutation check: plausible bugs planted one at a time in a copy of the repository; each must make
 the tests named for it fail ("killed"). A survivor is a missing test, not a mutant to delete.
 
-    .venv/bin/python scripts/mutants.py            # all mutants (about 4.5 minutes on 2 cores)
+    .venv/bin/python scripts/mutants.py            # all mutants (about 7 minutes on 2 cores)
     .venv/bin/python scripts/mutants.py --list     # names, layers and the tests each runs
     .venv/bin/python scripts/mutants.py --only key-drops-step cpu-inf-is-nan
 
@@ -46,6 +46,7 @@ class Mutant:
 T_ROUND = "tests/numerics/test_rounding.py"
 T_DS = "tests/engines/test_deepspeed.py"
 T_FSDP2 = "tests/engines/test_fsdp2.py"
+T_AUTH = "tests/weightsync/test_auth.py"
 
 MUTANTS = [
     Mutant("key-drops-step", "numerics: rounding key", "dist_sr/numerics/key.py",
@@ -150,6 +151,46 @@ MUTANTS = [
     Mutant("planner-rank-from-local-rank", "launch: planner", "dist_sr/launch/planner.py",
            'rank = _int_env(env, "RANK") or 0', 'rank = _int_env(env, "LOCAL_RANK") or 0',
            ("tests/launch/test_entry_point.py::test_the_launchers_environment_and_deepspeeds_local_rank_argument_are_read",)),
+    Mutant("receiver-accepts-unsigned-requests", "weightsync: authentication", "dist_sr/weightsync/receiver.py",
+           "self.receiver.verifier.request(self.command, self.path, body, self.headers)", "pass",
+           (f"{T_AUTH}::test_without_the_secret_nobody_can_push_weights_and_what_the_receiver_holds_is_unchanged",)),
+    Mutant("worker-trusts-unsigned-init-info", "weightsync: authentication", "dist_sr/weightsync/receiver.py",
+           'self.verifier.payload("init_info", info.fields(), info.auth)', "pass",
+           (f"{T_AUTH}::test_without_the_secret_nobody_can_push_weights_and_what_the_receiver_holds_is_unchanged",)),
+    Mutant("nonces-may-repeat", "weightsync: authentication", "dist_sr/weightsync/auth.py",
+           "if nonce in self._seen:", "if False:",
+           (f"{T_AUTH}::test_a_signed_request_verifies_once_and_any_change_is_refused",)),
+    Mutant("middleware-guards-only-weight-routes", "rollout: vLLM control routes", "dist_sr/rollout/vllm/auth.py",
+           "return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)",
+           'return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES) or "weight" not in path',
+           ("tests/rollout/test_vllm_auth.py::test_control_routes_need_a_signature_and_the_app_never_sees_an_unsigned_one",)),
+    Mutant("store-listens-on-every-interface", "weightsync: store", "dist_sr/weightsync/transport.py",
+           "fd = listen_socket(host, port).detach() if is_master else None",
+           'fd = listen_socket("0.0.0.0", port).detach() if is_master else None',
+           (f"{T_AUTH}::test_the_weight_group_store_listens_on_the_configured_host_only",)),
+    Mutant("failed-init-drops-the-groups", "weightsync: receiver", "dist_sr/weightsync/receiver.py",
+           '        self.verifier.payload("init_info", info.fields(), info.auth)\n        info.check()',
+           '        self.shutdown()\n        self.verifier.payload("init_info", info.fields(), info.auth)\n'
+           '        info.check()',
+           (f"{T_AUTH}::test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing",)),
+    Mutant("plan-size-unchecked", "weightsync: receiver", "dist_sr/weightsync/receiver.py",
+           "if self.max_bytes is not None and total > self.max_bytes:", "if False:",
+           (f"{T_AUTH}::test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing",)),
+    Mutant("shadow-optimizer-trains-on-nan", "optim: non-finite gradients", "dist_sr/optim/shadow.py",
+           "if self.loss_scaler is None and self.skip_nonfinite and self._nonfinite():", "if False:",
+           ("tests/optim/test_shadow.py::test_a_nonfinite_gradient_without_a_loss_scaler_skips_the_step_and_training"
+            "_goes_on_as_if_it_never_came",)),
+    Mutant("deepspeed-json-disagreement-ignored", "engines: DeepSpeed config", "dist_sr/engines/deepspeed/config.py",
+           "        if mine != v:\n", "        if False:\n",
+           ("tests/launch/test_entry_point.py::test_the_deepspeed_json_and_the_experiment_have_one_set_of_hyperparameters",)),
+    Mutant("hook-attaches-to-reference-models", "engines: DeepSpeed hook", "dist_sr/engines/deepspeed/hook.py",
+           "        reason = untrained(engine)\n", "        reason = None\n",
+           ("tests/engines/test_deepspeed_hook.py::"
+            "test_reference_models_built_from_the_training_config_are_left_alone_and_logged",)),
+    Mutant("engine-events-not-compared", "weightsync: verification", "dist_sr/weightsync/sync.py",
+           'return sorted([r.get("rank"), r.get("boot"), r.get("events")] for r in reports)',
+           'return sorted([r.get("rank"), r.get("boot")] for r in reports)',
+           (f"{T_AUTH}::test_the_trainer_sees_an_engine_that_changed_after_it_was_verified",)),
 ]
 
 

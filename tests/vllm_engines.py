@@ -40,19 +40,20 @@ def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediat
 
 
 class EngineProcess:
-    def __init__(self, model_dir: Path, *, tp: int = 1, log_dir: Path, name: str):
+    def __init__(self, model_dir: Path, *, tp: int = 1, log_dir: Path, name: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir, self.tp, self.name = model_dir, tp, name
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONUNBUFFERED": "1"}
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("PYTHONPATH", None)
         self.log = log_dir / f"{name}.log"
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", "tiny", "--port", str(self.port), "--max-model-len", "64",
                "--dtype", "bfloat16", "--tensor-parallel-size", str(tp), "--max-num-seqs", "64",
                "--weight-transfer-config", '{"backend": "dist_sr"}',
-               "--worker-extension-cls", "dist_sr.rollout.vllm.plugin.WorkerExtension"]
+               "--worker-extension-cls", "dist_sr.rollout.vllm.plugin.WorkerExtension",
+               "--middleware", "dist_sr.rollout.vllm.auth.SyncAuthMiddleware"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .. import faults
 from ..optim import optimizer_class
 from ..precision import apply_precision
 from ..sources import ReplicatedSource, WeightSource
@@ -71,9 +72,12 @@ class SingleEngine:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        faults.point("checkpoint.written")
         if (path / CHECKPOINT).exists():
             os.replace(path / CHECKPOINT, path / PREVIOUS)
+        faults.point("checkpoint.rotated")
         os.replace(tmp, path / CHECKPOINT)
+        faults.point("checkpoint.done")
 
     def load(self, path: Path) -> int | None:
         """The newest checkpoint that verifies (``checkpoint.pt``, else ``checkpoint.prev.pt`` with

@@ -9,9 +9,13 @@
 - ``trainer-job.yaml``: an Indexed Job, one pod per node, node rank = completion index, each
   running ``torchrun``/``deepspeed`` on ``launch/train.py``;
 - with ``rollout.engine: vllm``: ``vllm-service.yaml`` + ``vllm-statefulset.yaml`` (the fleet,
-  one ``vllm serve`` per pod) and ``networkpolicy.yaml`` (only trainer pods reach the engines,
-  whose weight-transfer routes need vLLM's dev mode; the fleet's group traffic stays inside);
-- ``kustomization.yaml``, so ``kubectl apply -k DIR`` applies the set.
+  one ``vllm serve`` per pod, its control routes behind the sync secret's signature check);
+- ``networkpolicy.yaml``: every pod of the job denies all traffic except what it needs (see
+  ``network_policies``);
+- ``kustomization.yaml``, so ``kubectl apply -k DIR`` applies the set;
+- ``sync-secret.yaml`` (mode 0600, not in the kustomization and never committed): the job's sync
+  secret, generated at the first render and kept by later ones; apply it first
+  (``kubectl apply -f DIR/sync-secret.yaml``). Pods do not start without it.
 
 The config inside the ConfigMap is the one the renderer validated for the cluster's world size,
 with paths moved onto the volume, so manifests and configs cannot drift apart.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -29,9 +34,13 @@ import yaml
 
 from ..config import ConfigError, parse_overrides
 from ..rl.config import ExperimentConfig, load_experiment, to_dict
+from ..weightsync import auth
 from .planner import build_parser, config_source, plan
 
 CONFIG_MOUNT = "/etc/dist-sr"
+SECRET_MOUNT = "/etc/dist-sr-secret"
+SECRET_FILE = "sync-secret.yaml"
+DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
 WORKDIR = "/opt/dist-sr"          # the image's checkout (docker/Dockerfile)
 ENTRY = "launch/train.py"
 HTTP_PORT_NAME = "http"
@@ -49,7 +58,8 @@ def _meta(cfg: ExperimentConfig, name: str, component: str) -> dict:
 def names(cfg: ExperimentConfig) -> dict:
     n = cfg.cluster.name
     return {"config": f"{n}-config", "data": f"{n}-data", "trainer": f"{n}-trainer", "vllm": f"{n}-vllm",
-            "policy": f"{n}-vllm-ingress", "trainer_policy": f"{n}-trainer-ingress"}
+            "secret": f"{n}-sync-secret", "deny": f"{n}-default-deny", "policy": f"{n}-vllm-ingress",
+            "trainer_policy": f"{n}-trainer-ingress"}
 
 
 def fleet_urls(cfg: ExperimentConfig) -> list[str]:
@@ -99,15 +109,28 @@ def trainer_command(cfg: ExperimentConfig) -> list[str]:
     return launcher + [ENTRY, "--config", f"{CONFIG_MOUNT}/experiment.yaml", "--resume-or-start", "--no-progress"]
 
 
-def _volumes(cfg: ExperimentConfig) -> tuple[list, list]:
+def _volumes(cfg: ExperimentConfig, *, data_read_only: bool = False) -> tuple[list, list]:
+    """Config, data volume, shared memory and the sync secret (a file, never an env value).
+    Engines mount the data volume read-only: they read snapshots, and must not be able to plant
+    files the trainer loads."""
     nm = names(cfg)
     volumes = [{"name": "config", "configMap": {"name": nm["config"]}},
                {"name": "data", "persistentVolumeClaim": {"claimName": nm["data"]}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+               {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+               {"name": "sync-secret", "secret": {"secretName": nm["secret"], "defaultMode": 0o400}}]
     mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-              {"name": "data", "mountPath": cfg.cluster.data_dir},
-              {"name": "dshm", "mountPath": "/dev/shm"}]
+              {"name": "data", "mountPath": cfg.cluster.data_dir, **({"readOnly": True} if data_read_only else {})},
+              {"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "sync-secret", "mountPath": SECRET_MOUNT, "readOnly": True}]
     return volumes, mounts
+
+
+SECRET_ENV = {"name": auth.ENV_FILE, "value": f"{SECRET_MOUNT}/secret"}
+
+
+def sync_secret(cfg: ExperimentConfig, value: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(cfg, names(cfg)["secret"], "secret"),
+            "type": "Opaque", "stringData": {"secret": value}}
 
 
 def _resources(cpu: str, memory: str, gpus: int) -> dict:
@@ -126,6 +149,7 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         {"name": "MASTER_ADDR", "value": master_addr(cfg)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        SECRET_ENV,
     ]
     if not c.gpus_per_node:
         env.append({"name": "DS_ACCELERATOR", "value": "cpu"})
@@ -164,7 +188,8 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
     serve = (f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
              f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
              f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
-             f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension")
+             f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension "
+             f"--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware")
     config_json = shlex.quote(f"{cfg.model.path or snapshot_dir(cfg) + '/current'}/config.json")
     wait = f"until [ -e {config_json} ]; do echo waiting for {model}; sleep 5; done; " \
         if cfg.model.path is None else ""
@@ -173,12 +198,12 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
 
 def vllm_statefulset(cfg: ExperimentConfig) -> dict:
     c, f, nm = cfg.cluster, cfg.rollout.vllm, names(cfg)
-    volumes, mounts = _volumes(cfg)
+    volumes, mounts = _volumes(cfg, data_read_only=True)
     gpus = c.gpus_per_engine if c.gpus_per_engine is not None else (f.tensor_parallel_size if c.gpus_per_node else 0)
     container = {
         "name": "vllm", "image": c.image, "command": vllm_command(cfg),
-        "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"},  # weight routes; NetworkPolicy limits who calls
-                {"name": "VLLM_PLUGINS", "value": "dist_sr"}],
+        "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"},  # weight routes, behind SyncAuthMiddleware
+                {"name": "VLLM_PLUGINS", "value": "dist_sr"}, SECRET_ENV],
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": f.port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
         "volumeMounts": mounts,
@@ -194,21 +219,34 @@ def vllm_statefulset(cfg: ExperimentConfig) -> dict:
 
 
 def network_policies(cfg: ExperimentConfig) -> list[dict]:
-    """Engines accept traffic only from trainer pods (HTTP incl. the weight routes, and the
-    weight-transfer group) and from each other (the group's mesh); trainer pods only from trainer
-    pods (rendezvous, collectives) and engines (the group)."""
+    """Default deny for every pod of the job, in and out; then only what each component needs.
+
+    Trainer pods: from and to each other on any port (rendezvous, and the collectives' ports,
+    which NCCL and gloo pick at run time). Engines (with a fleet): the trainer reaches their HTTP
+    port (inference and the signed control routes), and trainer and engines reach each other on
+    any port for the weight-transfer group (gloo connects every pair of members on ports it picks);
+    engines reach each other for the same mesh. DNS out, nothing else: no pod of the job talks to
+    anything outside it."""
     nm = names(cfg)
+    instance = {"app.kubernetes.io/name": "dist-sr", "app.kubernetes.io/instance": cfg.cluster.name}
     trainer = {"podSelector": {"matchLabels": _labels(cfg, "trainer")}}
     rollout = {"podSelector": {"matchLabels": _labels(cfg, "rollout")}}
+    dns = {"to": [{"namespaceSelector": {}}], "ports": DNS_PORTS}
+    fleet = cfg.rollout.engine == "vllm"
+    peers = [trainer, rollout] if fleet else [trainer]
 
-    def policy(name, component, peers):
-        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                "metadata": _meta(cfg, name, component),
-                "spec": {"podSelector": {"matchLabels": _labels(cfg, component)}, "policyTypes": ["Ingress"],
-                         "ingress": [{"from": peers}]}}
+    def policy(name, component, ingress, egress):
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(cfg, name, component),
+                "spec": {"podSelector": {"matchLabels": _labels(cfg, component)}, "policyTypes": ["Ingress", "Egress"],
+                         "ingress": copy.deepcopy(ingress), "egress": copy.deepcopy(egress)}}
 
-    return [policy(nm["policy"], "rollout", [trainer, rollout]),
-            policy(nm["trainer_policy"], "trainer", [trainer, rollout])]
+    deny = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(cfg, nm["deny"], "policy"),
+            "spec": {"podSelector": {"matchLabels": instance}, "policyTypes": ["Ingress", "Egress"]}}
+    out = [deny, policy(nm["trainer_policy"], "trainer", [{"from": peers}], [{"to": peers}, dns])]
+    if fleet:
+        out.append(policy(nm["policy"], "rollout", [{"from": [trainer, rollout]}], [{"to": [trainer, rollout]}, dns]))
+    return out
 
 
 def render(cfg: ExperimentConfig) -> dict[str, list[dict]]:
@@ -236,8 +274,22 @@ def render(cfg: ExperimentConfig) -> dict[str, list[dict]]:
         files["vllm-service.yaml"] = [headless_service(cfg, nm["vllm"], "rollout",
                                                        [{"name": HTTP_PORT_NAME, "port": cfg.rollout.vllm.port}])]
         files["vllm-statefulset.yaml"] = [vllm_statefulset(cfg)]
-        files["networkpolicy.yaml"] = network_policies(cfg)
+    files["networkpolicy.yaml"] = network_policies(cfg)
     return files
+
+
+def write_secret(cfg: ExperimentConfig, out: Path, header: str) -> Path:
+    """``sync-secret.yaml``: kept when it exists (re-rendering must not split trainer and engines
+    onto two secrets), else a fresh secret; readable by the owner only."""
+    path = out / SECRET_FILE
+    if path.exists():
+        return path
+    text = header + "# The job's sync secret: apply it first, keep it out of version control.\n" + \
+        yaml.safe_dump(sync_secret(cfg, auth.generate()), sort_keys=False)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def write(cfg: ExperimentConfig, out_dir: str | Path, source: str = "") -> list[Path]:
@@ -253,7 +305,7 @@ def write(cfg: ExperimentConfig, out_dir: str | Path, source: str = "") -> list[
     kustom = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
               "resources": list(files)}
     (out / "kustomization.yaml").write_text(header + yaml.safe_dump(kustom, sort_keys=False))
-    return written + [out / "kustomization.yaml"]
+    return written + [out / "kustomization.yaml", write_secret(cfg, out, header)]
 
 
 def load_for_cluster(args) -> ExperimentConfig:
@@ -276,4 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in write(cfg, args.output, source=args.config or "the embedded default"):
         print(path)
+    print(f"apply with: kubectl apply -f {Path(args.output) / SECRET_FILE} && kubectl apply -k {args.output}",
+          file=sys.stderr)
     return 0

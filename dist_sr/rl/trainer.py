@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
+from .. import faults
 from ..config import ConfigError
 from ..engines import TrainSettings, init_distributed, training_device
 from ..engines import make_engine as make_training_engine
@@ -54,7 +56,9 @@ class MetricsWriter:
         self.path = out_dir / "metrics.jsonl"
         if keep_until_step is not None and self.path.exists():  # resuming: drop what comes after
             kept = [json.dumps(r) for r in read_metrics(self.path) if r["step"] <= keep_until_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            tmp = self.path.with_suffix(".jsonl.tmp")  # a crash here leaves the old file whole
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
         elif keep_until_step is None:
             self.path.write_text("")
         self.tb = None
@@ -69,6 +73,7 @@ class MetricsWriter:
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
+        faults.point("metrics.written")
         if self.tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
@@ -249,6 +254,8 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
                               f"grpo.steps to at least {loaded} to continue this run")
         else:
             start = loaded
+            if rank == 0:
+                print(f"dist-sr: resuming {out_dir} from step {loaded}", flush=True)
     if rank == 0:
         (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     if make_engine is not None:

@@ -8,21 +8,31 @@ HTTP routes as a vLLM engine in dev mode but only receives (and keeps) the tenso
 receiving process for measuring the transport without vLLM's reload cost (bench/weight_sync.py).
 ``--corrupt NAME`` makes it a faulty engine: it flips one bit of tensor ``NAME`` as it loads it
 (and reports the bits it holds), so the trainer's digest check can be exercised without vLLM.
+
+Nothing changes weights without the job's sync secret (``weightsync.auth``): the receiver checks
+the signatures of ``init_info`` and of every plan itself, and the bare server also every request
+(401 otherwise). A bad init leaves the current groups in place; plans are checked against a byte
+budget before anything is allocated; timeouts are bounded.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import math
+import secrets
+import sys
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from ..numerics.backends import cpu
-from ..numerics.digest import tensor_sums
-from .control import TIMEOUT_S
+from ..numerics.digest import DTYPES, tensor_sums
+from . import auth
+from .control import MAX_TIMEOUT_S, TIMEOUT_S
 from .plan import SyncPlan
 from .transport import gloo_group, open_store, receive_buckets
 
@@ -38,10 +48,35 @@ class InitInfo:
     senders: int = 1       # trainer ranks that send: 1 = gather-then-broadcast, M = shard-direct
     generation: int = 0    # bumped whenever the fleet is rebuilt
     timeout_s: float = TIMEOUT_S
+    auth: dict | None = None  # the trainer's signature over the fields above (weightsync.auth)
+
+    def fields(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "auth"}
+
+    def check(self) -> None:
+        """Values a receiver can act on (raise ``ValueError`` naming the field otherwise)."""
+        ints = {"master_port": (1, 65535), "rank_offset": (1, 2**20), "world_size": (2, 2**20), "senders": (1, 2**16),
+                "generation": (0, 2**62)}
+        for name, (lo, hi) in ints.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"init_info.{name}={v!r}: expected an integer in [{lo}, {hi}]")
+        if not isinstance(self.master_address, str) or not 0 < len(self.master_address) <= 255:
+            raise ValueError(f"init_info.master_address={self.master_address!r}: expected a host name or address")
+        t = self.timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0 < t <= MAX_TIMEOUT_S):
+            raise ValueError(f"init_info.timeout_s={t!r}: expected seconds in (0, {MAX_TIMEOUT_S:.0f}]")
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"init_info.rank_offset={self.rank_offset} is not below world_size={self.world_size}")
 
 
 class WeightReceiver:
-    def __init__(self, corrupt: str | None = None):
+    """``secret``: the job's sync secret (default: this process's, ``auth.load``); ``max_bytes``:
+    the most a plan may carry (an engine: about its model's size)."""
+
+    def __init__(self, corrupt: str | None = None, *, secret: bytes | None = None, max_bytes: int | None = None):
+        self.verifier = auth.Verifier(secret if secret is not None else auth.load())
+        self.max_bytes = max_bytes
         # digests of received (CPU) buckets take the C++ pass once it is loaded (built in the
         # background the first time in an environment; scripts/setup_vllm.sh builds it ahead)
         cpu.warm_up_in_background()
@@ -51,26 +86,60 @@ class WeightReceiver:
         self.received: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self.state = {"version": None, "digests": {}, "complete": False}
         self.corrupt = corrupt  # fault injection: the tensor whose first element gets one bit flipped
+        # Who the trainer verified: a restart gets a new boot id, and every accepted control event
+        # counts, so the trainer can tell that an engine changed after it checked the digests.
+        self.boot, self.events = secrets.token_hex(8), 0
 
     def init(self, info: InitInfo, worker_index: int = 0) -> None:
+        """Join the groups ``info`` names, if the trainer signed it. The current groups stay until
+        the new ones are up: a failed or refused init changes nothing."""
+        self.verifier.payload("init_info", info.fields(), info.auth)
+        info.check()
+        rank = info.rank_offset + worker_index
+        if rank >= info.world_size:
+            raise ValueError(f"worker rank {rank} is outside the group's world of {info.world_size}")
+        store = open_store(info.master_address, info.master_port, is_master=False, timeout_s=info.timeout_s)
+        prefix = auth.store_prefix(self.verifier.secret)
+        groups = {m: gloo_group(store, info.generation, m, rank, info.world_size, info.timeout_s, prefix=prefix)
+                  for m in range(info.senders)}
         self.shutdown()
-        self.rank = info.rank_offset + worker_index
-        self.store = open_store(info.master_address, info.master_port, is_master=False, timeout_s=info.timeout_s)
-        self.groups = {m: gloo_group(self.store, info.generation, m, self.rank, info.world_size, info.timeout_s)
-                       for m in range(info.senders)}
+        self.rank, self.store, self.groups = rank, store, groups
         self.state = {"version": None, "digests": {}, "complete": False}
+        self.events += 1
 
     def start(self) -> None:
+        self.events += 1
         self.state["complete"] = False  # partially loaded weights from here to finish
         self.received = {}
 
-    def receive(self, plan_json: dict, load) -> None:
+    def check_plan(self, plan_json, signature) -> SyncPlan:
+        """The plan, if the trainer signed it and it fits this receiver (before any allocation)."""
+        self.verifier.payload("plan", plan_json, signature)
+        try:
+            plan = SyncPlan.from_json(plan_json)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed sync plan: {exc!r}") from None
+        total = 0
+        for b in plan.buckets:
+            for t in b.tensors:
+                if t.dtype not in DTYPES or not all(isinstance(d, int) and d >= 0 for d in t.shape):
+                    raise ValueError(f"sync plan: {t.name} has dtype {t.dtype!r} and shape {t.shape}; expected one of "
+                                     f"{sorted(DTYPES)} and non-negative integer sizes")
+                total += math.prod(t.shape) * t.itemsize
+        if self.max_bytes is not None and total > self.max_bytes:
+            raise ValueError(f"sync plan carries {total} bytes, over this engine's limit of {self.max_bytes} "
+                             "(its model's size): wrong model, or not a plan for this engine")
+        plan.check()
+        return plan
+
+    def receive(self, plan_json: dict, load, signature: dict | None = None) -> None:
+        plan = self.check_plan(plan_json, signature)
         if not self.groups:
             raise RuntimeError("dist-sr weight transfer is not initialised: call init_weight_transfer_engine first")
-        plan = SyncPlan.from_json(plan_json)
-        plan.check()
         if plan.senders != len(self.groups):
             raise RuntimeError(f"sync plan has {plan.senders} sender(s) but this engine joined {len(self.groups)}")
+        self.events += 1
+        self.state["complete"] = False
         for tensors in receive_buckets(self.groups, plan.buckets):  # bucket i+1 arrives while i loads
             if self.corrupt is not None:
                 tensors = [(n, _flip_one_bit(t) if n == self.corrupt else t) for n, t in tensors]
@@ -80,11 +149,13 @@ class WeightReceiver:
         self.state["version"] = plan.version
 
     def finish(self) -> None:
+        self.events += 1
         self.state = {"version": self.state["version"], "digests": dict(self.received), "complete": True}
 
     def report(self) -> dict:
         s = self.state
-        return {"version": s["version"], "complete": s["complete"], "rank": self.rank,
+        return {"version": s["version"], "complete": s["complete"], "rank": self.rank, "boot": self.boot,
+                "events": self.events,
                 "digests": {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in s["digests"].items()}}
 
     def shutdown(self) -> None:
@@ -105,6 +176,7 @@ def _flip_one_bit(t):
 class _Handler(BaseHTTPRequestHandler):
     receiver: WeightReceiver
     tensors: dict
+    timeout = 30  # seconds a client may take to send a request (a socket timeout, per connection)
 
     def log_message(self, *args):  # quiet
         pass
@@ -117,15 +189,46 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _body(self) -> bytes | None:
+        """The request body, or None after replying 4xx (missing length, too large)."""
+        try:
+            size = int(self.headers.get("content-length", 0))
+        except ValueError:
+            self._reply(400, {"error": "malformed content-length"})
+            return None
+        if size < 0 or size > auth.MAX_BODY_BYTES:
+            self.close_connection = True
+            self._reply(413, {"error": f"control request body of {size} bytes; the limit is {auth.MAX_BODY_BYTES}"})
+            return None
+        return self.rfile.read(size)
+
+    def _authentic(self, body: bytes) -> bool:
+        try:
+            self.receiver.verifier.request(self.command, self.path, body, self.headers)
+            return True
+        except auth.AuthError as exc:
+            self._reply(401, {"error": str(exc)})
+            return False
+
     def do_GET(self):
-        if self.path.startswith("/health"):
+        if self.path.split("?")[0] == "/health":
             return self._reply(200, {})
+        if not self._authentic(b""):
+            return None
         if self.path.startswith("/get_world_size"):
             return self._reply(200, {"world_size": 1})
         return self._reply(404, {"error": self.path})
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        raw = self._body()
+        if raw is None or not self._authentic(raw):
+            return None
+        try:
+            body = json.loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("expected a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._reply(400, {"error": f"malformed JSON body: {exc}"})
         path = self.path.split("?")[0]
         r = self.receiver
         try:
@@ -134,7 +237,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/start_weight_update":
                 r.start()
             elif path == "/update_weights":
-                r.receive(body["update_info"]["plan"], lambda ts: self.tensors.update(ts))
+                update = body["update_info"]
+                r.receive(update["plan"], lambda ts: self.tensors.update(ts), update.get("auth"))
             elif path == "/finish_weight_update":
                 r.finish()
             elif path == "/collective_rpc":
@@ -143,24 +247,40 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._reply(200, {"results": [r.report()]})
             elif path not in ("/pause", "/resume", "/reset_prefix_cache"):
                 return self._reply(404, {"error": path})
+        except auth.AuthError as exc:
+            return self._reply(401, {"error": str(exc)})
+        except (KeyError, TypeError, ValueError) as exc:  # a request this receiver cannot act on
+            return self._reply(400, {"error": f"bad request to {path}: {type(exc).__name__}: {exc}"})
         except Exception as exc:  # report to the trainer, as vLLM's routes do
             return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
         return self._reply(200, {"status": "ok"})
 
 
-def serve(port: int, host: str = "127.0.0.1", corrupt: str | None = None) -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"receiver": WeightReceiver(corrupt), "tensors": {}})
-    return ThreadingHTTPServer((host, port), handler)
+def serve(port: int, host: str = "127.0.0.1", corrupt: str | None = None, *, secret: bytes | None = None,
+          max_bytes: int | None = None, request_timeout_s: float = 30.0) -> ThreadingHTTPServer:
+    handler = type("Handler", (_Handler,), {"receiver": WeightReceiver(corrupt, secret=secret, max_bytes=max_bytes),
+                                            "tensors": {}, "timeout": request_timeout_s})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="A bare dist-sr weight receiver (vLLM's weight routes, no model).")
+    ap = argparse.ArgumentParser(description="A bare dist-sr weight receiver (vLLM's weight routes, no model). "
+                                 f"Needs the job's sync secret in {auth.ENV} or {auth.ENV_FILE}.")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--max-mb", type=float, default=4096.0, help="largest plan accepted (MiB)")
+    ap.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client may take to send a request")
     ap.add_argument("--corrupt", metavar="NAME", help="fault injection (tests): flip one bit of tensor NAME as it "
                     "is loaded, so this receiver holds and reports wrong bits")
     args = ap.parse_args()
-    serve(args.port, args.host, args.corrupt).serve_forever()
+    try:
+        server = serve(args.port, args.host, args.corrupt, max_bytes=int(args.max_mb * 2**20),
+                       request_timeout_s=args.request_timeout)
+    except auth.SecretMissing as exc:
+        sys.exit(f"dist-sr receiver: {exc}")
+    server.serve_forever()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from ..numerics.digest import combine, piece_sum
 from ..sources import WeightSource, add_rank_sums, layout_free_digest
+from .. import faults
+from . import auth
 from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, NoReadyEngineError
 from .plan import Span, SyncPlan, TensorPlan, make_buckets
 from .transport import Packer, broadcast, gloo_group, open_store
@@ -40,6 +42,7 @@ class Member:
     state: str = "new"               # new | ready | pending | down
     version: int | None = None       # last weight version verified on this engine
     reason: str = ""                 # why it is not ready
+    mark: list | None = None         # each worker's (rank, boot, events) when its digests were verified
 
     @property
     def url(self) -> str:
@@ -55,6 +58,7 @@ class SyncResult:
     bytes_sent: int
     attempts: int
     problems: list[str] = field(default_factory=list)
+    marks: dict = field(default_factory=dict)  # url -> Member.mark of each ready engine
 
 
 class WeightSync:
@@ -62,7 +66,7 @@ class WeightSync:
 
     def __init__(self, source: WeightSource, controls: Sequence[ControlPlane], *, transport: str = "broadcast",
                  bucket_mb: float = 64.0, timeout_s: float = TIMEOUT_S, group_host: str | None = None,
-                 group_port: int = GROUP_PORT, trainer_group=None):
+                 group_port: int = GROUP_PORT, trainer_group=None, secret: bytes | None = None):
         if transport not in ("broadcast", "shard-direct"):
             raise ValueError(f"unknown transport {transport!r}; choose broadcast or shard-direct")
         self.source, self.transport = source, transport
@@ -74,8 +78,9 @@ class WeightSync:
         self.senders = self.world if transport == "shard-direct" else 1
         self.engines = [Member(c) for c in controls]  # rank 0's view is authoritative
         self.packer = Packer()
-        self.group_host = group_host or "127.0.0.1"
+        self.group_host = group_host or "127.0.0.1"  # rank 0's store listens here, and only here
         self.group_port = group_port
+        self.store_prefix = auth.store_prefix(secret if secret is not None else auth.load())
         self.store = None
         self.groups: dict[int, object] = {}
         self.members: list[tuple[str, int]] = []  # (url, workers) of the current group, in rank order
@@ -124,7 +129,7 @@ class WeightSync:
         if not members:
             return []
         if self.rank == 0 and self.store is None:
-            self.store = open_store("0.0.0.0", self.group_port, is_master=True, timeout_s=self.timeout_s)
+            self.store = open_store(self.group_host, self.group_port, is_master=True, timeout_s=self.timeout_s)
         failed, threads = [], []
         if self.rank == 0:
             offset = 1
@@ -138,7 +143,8 @@ class WeightSync:
             store = self.store if self.rank == 0 else open_store(self.group_host, self.group_port, is_master=False,
                                                                  timeout_s=self.timeout_s)
             try:
-                self.groups[self.rank] = gloo_group(store, self.generation, self.rank, 0, world, self.timeout_s)
+                self.groups[self.rank] = gloo_group(store, self.generation, self.rank, 0, world, self.timeout_s,
+                                                    prefix=self.store_prefix)
             except RuntimeError as exc:
                 failed.append(f"trainer rank {self.rank}: {exc}")
         for t in threads:
@@ -223,7 +229,9 @@ class WeightSync:
             ready, bad = self._verify(version, entries if verify else None)
             problems += bad
         ready = self._bcast(ready)
-        self.last = SyncResult(version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems)
+        marks = self._bcast({e.url: e.mark for e in self.engines if e.url in ready} if self.rank == 0 else None)
+        self.last = SyncResult(version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems,
+                               marks)
         if not ready:
             raise NoReadyEngineError(f"after weight sync {version} no engine holds the trainer's weights: {problems}")
         return self.last
@@ -254,6 +262,8 @@ class WeightSync:
             for index, bucket in enumerate(plan.buckets):
                 if on_bucket is not None:
                     on_bucket(index, len(plan.buckets))
+                if index:
+                    faults.point("sync.bucket")
                 names = [t.name for t in bucket.tensors]
                 if self.transport == "broadcast":
                     full = self.source.gather(names)  # collective on every rank
@@ -319,8 +329,29 @@ class WeightSync:
                 problems.append(str(exc))
                 continue
             e.state, e.version, e.reason = "ready", version, ""
+            e.mark = _mark(reports)
             ready.append(e.url)
         return ready, problems
 
+    def changed(self, urls: Sequence[str]) -> list[str]:
+        """Any trainer rank, after using ``urls`` for rollouts: the engines that are no longer
+        exactly what the last sync verified (restarted, or any control event since; an engine
+        that does not answer counts as changed), each with the reason."""
+        problems = []
+        for url in urls:
+            try:
+                reports = self._control(url).report()
+            except EngineError as exc:
+                problems.append(f"{url}: {exc}")
+                continue
+            if self.last is None or _mark(reports) != self.last.marks.get(url):
+                problems.append(f"{url}: restarted or changed by a control event after weight sync "
+                                f"{self.last.version if self.last else None} was verified")
+        return problems
+
     def _control(self, url: str) -> ControlPlane:
         return next(e.control for e in self.engines if e.url == url)
+
+
+def _mark(reports: list[dict]) -> list:
+    return sorted([r.get("rank"), r.get("boot"), r.get("events")] for r in reports)

@@ -2,14 +2,18 @@
 ``torch.distributed``'s default group, which trainer and engines each already use for themselves).
 
 Group ``m`` holds trainer rank ``m`` (as group rank 0) and every engine worker (group ranks
-``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store; every
-rebuild of the fleet uses a fresh ``generation`` prefix, so stale keys never meet new members.
+``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store, listening
+on the configured address only; every rebuild of the fleet uses a fresh ``generation`` prefix, so
+stale keys never meet new members, under a prefix derived from the sync secret
+(``auth.store_prefix``), so a process without it cannot find or plant the groups' keys.
 Buckets are received as one flat byte buffer per source, so a sync is a few large collectives.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -19,14 +23,43 @@ from ..numerics.digest import DTYPES
 from .plan import Bucket
 
 
+def listen_socket(host: str, port: int, wait_s: float = 60.0) -> socket.socket:
+    """A socket listening on ``host:port`` only (not every interface). A host name is resolved
+    (retried for ``wait_s``: a pod's own DNS record can lag its start)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            break
+        except socket.gaierror as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weight-transfer store: cannot resolve group_host {host!r} ({exc}); set "
+                                   "rollout.vllm.group_host to an address of trainer rank 0") from None
+            time.sleep(1)
+    s = socket.socket(family, kind, proto)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+    except OSError as exc:
+        s.close()
+        raise RuntimeError(f"weight-transfer store: cannot listen on {host}:{port} ({exc}); group_host must be an "
+                           "address of trainer rank 0's machine, and the port free") from None
+    s.listen(1024)
+    return s
+
+
 def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """The groups' store: the master listens on ``host`` only; others connect to it."""
+    fd = listen_socket(host, port).detach() if is_master else None
     return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False, use_libuv=True)
+                         wait_for_workers=False, use_libuv=True, **({"master_listen_fd": fd} if is_master else {}))
 
 
-def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float):
-    """Group ``src`` of ``generation``: ``rank`` among ``world`` members."""
-    prefixed = dist.PrefixStore(f"dist_sr/{generation}/group{src}", store)
+def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float, *,
+               prefix: str):
+    """Group ``src`` of ``generation``: ``rank`` among ``world`` members; ``prefix`` from
+    ``auth.store_prefix``."""
+    prefixed = dist.PrefixStore(f"{prefix}/{generation}/group{src}", store)
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     if iface:
         opts = dist.ProcessGroupGloo._Options()

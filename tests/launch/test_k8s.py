@@ -43,7 +43,8 @@ def _expand(arg: str, env: dict) -> str:
 def test_every_config_renders_to_schema_valid_manifests(config, tmp_path):
     sets = ["cluster.nnodes=2"] if "engine: fsdp2" in config.read_text() or "deepspeed" in config.name else []
     files = _render(config, *sets, tmp_path=tmp_path)
-    assert sorted(files["kustomization.yaml"][0]["resources"]) == sorted(n for n in files if n != "kustomization.yaml")
+    assert sorted(files["kustomization.yaml"][0]["resources"]) == \
+        sorted(n for n in files if n not in ("kustomization.yaml", k8s.SECRET_FILE))
     for name, objs in files.items():
         for obj in objs:
             if obj["kind"] != "Kustomization":
@@ -132,20 +133,56 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
     assert vc["resources"]["limits"]["nvidia.com/gpu"] == fleet.tensor_parallel_size
 
 
-def test_only_trainer_pods_and_fleet_peers_reach_the_engines(tmp_path):
-    files = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
-    policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
-                for p in _objects(files, "NetworkPolicy")}
+def _policies(files) -> dict:
+    return {p["metadata"]["name"]: p["spec"] for p in _objects(files, "NetworkPolicy")}
+
+
+@pytest.mark.parametrize("config", ["multinode-vllm.yaml", "grpo-fsdp2.yaml"])
+def test_every_job_denies_by_default_and_allows_only_its_peers(config, tmp_path):
+    files = _render(REPO / "configs" / config, tmp_path=tmp_path)
     job_labels = _objects(files, "Job")[0]["spec"]["template"]["metadata"]["labels"]
-    sts_labels = _objects(files, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
-    engine_policy = policies["rollout"]
-    assert engine_policy["spec"]["podSelector"]["matchLabels"] == sts_labels
-    assert engine_policy["spec"]["policyTypes"] == ["Ingress"]
-    peers = [rule["podSelector"]["matchLabels"] for rule in engine_policy["spec"]["ingress"][0]["from"]]
-    assert peers == [job_labels, sts_labels]  # nothing else (no namespaceSelector, no ipBlock)
-    env = {e["name"]: e.get("value") for e in
-           _objects(files, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    sts = _objects(files, "StatefulSet")
+    pods = [job_labels] + [s["spec"]["template"]["metadata"]["labels"] for s in sts]
+    policies = _policies(files)
+    (deny,) = [p for p in policies.values() if "ingress" not in p and "egress" not in p]
+    assert deny["policyTypes"] == ["Ingress", "Egress"]  # no rule: nothing in, nothing out
+    assert all(all(deny["podSelector"]["matchLabels"][k] == labels[k] for k in deny["podSelector"]["matchLabels"])
+               for labels in pods)  # every pod of the job is selected
+    allowed = [p for p in policies.values() if p is not deny]
+    assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in allowed) == \
+        sorted(["trainer"] + ["rollout"] * len(sts))
+    for p in allowed:
+        assert p["policyTypes"] == ["Ingress", "Egress"]
+        sources = [peer["podSelector"]["matchLabels"] for rule in p["ingress"] for peer in rule["from"]]
+        assert sources == pods  # only the job's own pods: no namespaceSelector, no ipBlock
+        (to_pods, dns) = p["egress"]
+        assert [peer["podSelector"]["matchLabels"] for peer in to_pods["to"]] == pods
+        assert sorted(q["port"] for q in dns["ports"]) == [53, 53]  # DNS, nothing outside the job
+
+
+def test_engines_need_the_sync_secret_and_cannot_write_the_data_volume(tmp_path):
+    files = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
+    (secret,) = _objects(files, "Secret")
+    value = secret["stringData"]["secret"]
+    assert len(value) == 64 and int(value, 16) >= 0
+    assert (tmp_path / k8s.SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    assert k8s.SECRET_FILE not in yaml.safe_load((tmp_path / "kustomization.yaml").read_text())["resources"]
+    for pod in [_objects(files, "Job")[0], _objects(files, "StatefulSet")[0]]:
+        spec = pod["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "sync-secret")
+        vol = next(v for v in spec["volumes"] if v["name"] == "sync-secret")
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"] and mount["readOnly"]
+        assert env["DIST_SR_SYNC_SECRET_FILE"].startswith(mount["mountPath"] + "/")
+        assert "DIST_SR_SYNC_SECRET" not in env  # a file, never a plain env value
+    (vc,) = _objects(files, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"]
+    assert next(m for m in vc["volumeMounts"] if m["name"] == "data")["readOnly"] is True
+    serve = shlex.split(vc["command"][-1].split("exec ", 1)[1])
+    assert serve[serve.index("--middleware") + 1] == "dist_sr.rollout.vllm.auth.SyncAuthMiddleware"
+    # a second render into the same directory keeps the secret (trainer and engines stay paired)
+    again = _render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path)
+    assert _objects(again, "Secret")[0]["stringData"]["secret"] == value
 
 
 def test_committed_manifests_match_a_fresh_render(tmp_path, monkeypatch):
@@ -153,8 +190,9 @@ def test_committed_manifests_match_a_fresh_render(tmp_path, monkeypatch):
     committed = REPO / "k8s" / "multinode-vllm"
     _render(Path("configs/multinode-vllm.yaml"), tmp_path=tmp_path)
     fix = "run `dist-sr k8s --config configs/multinode-vllm.yaml -o k8s/multinode-vllm`"
-    assert sorted(p.name for p in committed.glob("*.yaml")) == sorted(p.name for p in tmp_path.glob("*.yaml")), fix
-    for path in sorted(tmp_path.glob("*.yaml")):
+    fresh = sorted(p for p in tmp_path.glob("*.yaml") if p.name != k8s.SECRET_FILE)  # never committed
+    assert sorted(p.name for p in committed.glob("*.yaml") if p.name != k8s.SECRET_FILE) == [p.name for p in fresh], fix
+    for path in fresh:
         assert (committed / path.name).read_text() == path.read_text(), f"{path.name} is stale: {fix}"
 
 

@@ -268,3 +268,65 @@ def test_a_hung_engine_times_out_with_a_clear_error_and_the_fleet_goes_on(fleet)
             WeightSync(ReplicatedSource(model), controls([a.url], 3), group_port=free_port(), timeout_s=3).sync(32)
     finally:
         a.signal(signal.SIGCONT)
+
+
+def test_a_vllm_engine_takes_control_requests_only_from_the_secret_holder(fleet, tmp_path):
+    """The push attack on a real vLLM engine: every route that changes what it serves (the weight
+    routes, vLLM's dev-mode RPCs, LoRA loading) answers 401 without the sync secret, a holder of
+    the HTTP signature still cannot hand the worker an unsigned init_info, the served weights'
+    digest is unchanged, and inference stays open. An engine without the secret does not start."""
+    import urllib.error
+    import urllib.request
+
+    from dist_sr.weightsync import auth
+    from dist_sr.weightsync.transport import open_store
+
+    _, model_dir, engines = fleet
+    a = engines["a"]
+    ws = _sync(_trainer_model(model_dir, seed=4), [a.url])
+    assert ws.sync(11).ready == [a.url]
+    before = VLLMControl(a.url, 30).report()
+    served = complete(a.url, PROMPTS[:1])
+
+    attacker_port = free_port()
+    store = open_store("127.0.0.1", attacker_port, is_master=True, timeout_s=5)
+    init = {"master_address": "127.0.0.1", "master_port": attacker_port, "rank_offset": 1, "world_size": 2,
+            "senders": 1, "generation": 1, "timeout_s": 5}
+
+    def post(path, body, headers=None):
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(a.url + path, data=data, method="POST",
+                                     headers={"content-type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    for path, body in [("/init_weight_transfer_engine", {"init_info": init}), ("/start_weight_update", {}),
+                       ("/update_weights", {"update_info": {"plan": ws.plan(999).to_json()}}),
+                       ("/finish_weight_update", {"weight_version": "999"}),
+                       ("/collective_rpc", {"method": "dist_sr_weight_report"}), ("/sleep", {}), ("/pause", {}),
+                       ("/reset_prefix_cache", {}), ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"})]:
+        code, text = post(path, body)
+        assert code == 401 and "unauthenticated" in text, (path, code, text)
+    code, text = post("/collective_rpc", {"method": "dist_sr_weight_report"},
+                      auth.sign_request(b"an-attacker-who-guessed-wrong-0123456789", "POST", "/collective_rpc",
+                                        json.dumps({"method": "dist_sr_weight_report"}).encode()))
+    assert code == 401 and "bad signature" in text
+    body = {"init_info": init}  # signed request, unsigned payload: the worker refuses it itself
+    code, text = post("/init_weight_transfer_engine", body,
+                      auth.sign_request(auth.load(), "POST", "/init_weight_transfer_engine", json.dumps(body).encode()))
+    assert code != 200 and "unauthenticated init_info" in text, (code, text)
+    assert store.num_keys() <= 1  # nobody joined the attacker's store
+    assert VLLMControl(a.url, 30).report() == before
+    assert complete(a.url, PROMPTS[:1]) == served  # inference is public and serves the trainer's weights
+    assert ws.sync(12).ready == [a.url]  # the trainer's own groups still work
+
+    bare = EngineProcess(model_dir, tp=1, log_dir=tmp_path, name="no-secret", env={"DIST_SR_SYNC_SECRET": ""})
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            bare.wait_ready(timeout=300)
+        assert "no sync secret" in bare.log.read_text()
+    finally:
+        bare.stop()

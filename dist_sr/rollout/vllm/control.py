@@ -1,6 +1,9 @@
 """The control plane of a ``vllm serve`` engine: its weight-transfer routes over HTTP (vLLM's dev
 mode, ``VLLM_SERVER_DEV_MODE=1``), for ``weightsync.sync.WeightSync``. The bare receiver
-(``weightsync.receiver``) serves the same routes."""
+(``weightsync.receiver``) serves the same routes.
+
+Every control request is signed with the job's sync secret, and so are the transfer payloads
+(``init_info``, the plan), which the loading worker checks itself (``weightsync.auth``)."""
 
 from __future__ import annotations
 
@@ -9,13 +12,19 @@ import socket
 import urllib.error
 import urllib.request
 
+from ...weightsync import auth
 from ...weightsync.control import TIMEOUT_S, EngineError
 
 
-def http(url: str, path: str, body: dict | None = None, *, timeout: float, method: str | None = None) -> dict:
+def http(url: str, path: str, body: dict | None = None, *, timeout: float, method: str | None = None,
+         secret: bytes | None = None) -> dict:
+    """One JSON request; signed with ``secret`` when given (control routes)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method or ("GET" if body is None else "POST"),
-                                 headers={"content-type": "application/json"})
+    method = method or ("GET" if body is None else "POST")
+    headers = {"content-type": "application/json"}
+    if secret is not None:
+        headers.update(auth.sign_request(secret, method, path, data or b""))
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             text = resp.read().decode() or "{}"
@@ -31,22 +40,27 @@ def http(url: str, path: str, body: dict | None = None, *, timeout: float, metho
 
 
 class VLLMControl:
-    """``ControlPlane`` over one engine's base URL."""
+    """``ControlPlane`` over one engine's base URL, signing with the sync secret (default: this
+    process's, ``weightsync.auth.load``)."""
 
-    def __init__(self, url: str, timeout_s: float = TIMEOUT_S):
+    def __init__(self, url: str, timeout_s: float = TIMEOUT_S, secret: bytes | None = None):
         self.name = url
         self.timeout_s = timeout_s
+        self.secret = secret if secret is not None else auth.load()
 
     def _post(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        return http(self.name, path, body if body is not None else {}, timeout=timeout or self.timeout_s)
+        return http(self.name, path, body if body is not None else {}, timeout=timeout or self.timeout_s,
+                    secret=self.secret)
 
     def health(self) -> None:
         http(self.name, "/health", timeout=min(self.timeout_s, 10), method="GET")
 
     def world_size(self) -> int:
-        return int(http(self.name, "/get_world_size", timeout=self.timeout_s)["world_size"])
+        return int(http(self.name, "/get_world_size", timeout=self.timeout_s, secret=self.secret)["world_size"])
 
     def init_transfer(self, info: dict) -> None:
+        info = {k: v for k, v in info.items() if k != "auth"}
+        info["auth"] = auth.sign_payload(self.secret, "init_info", info)
         self._post("/init_weight_transfer_engine", {"init_info": info})
 
     def pause(self) -> None:
@@ -56,7 +70,8 @@ class VLLMControl:
         self._post("/start_weight_update")
 
     def update(self, plan: dict, timeout: float) -> None:
-        self._post("/update_weights", {"update_info": {"plan": plan}}, timeout=timeout)
+        signed = {"plan": plan, "auth": auth.sign_payload(self.secret, "plan", plan)}
+        self._post("/update_weights", {"update_info": signed}, timeout=timeout)
 
     def finish(self, version: int) -> None:
         self._post("/finish_weight_update", {"weight_version": str(version)})
@@ -71,5 +86,6 @@ class VLLMControl:
         self._post("/resume")
 
 
-def controls(urls: list[str], timeout_s: float = TIMEOUT_S) -> list[VLLMControl]:
-    return [VLLMControl(u, timeout_s) for u in urls]
+def controls(urls: list[str], timeout_s: float = TIMEOUT_S, secret: bytes | None = None) -> list[VLLMControl]:
+    secret = secret if secret is not None else auth.load()
+    return [VLLMControl(u, timeout_s, secret) for u in urls]

@@ -3,11 +3,15 @@
 ``sync_weights(version)`` runs the weight sync (every trainer rank); ``generate`` sends each of
 this rank's prompts, as token ids, to an engine that verified the current version (round-robin
 over the ready engines, requests in parallel so vLLM batches them) and returns the completions as
-padded token tensors, tagged with the version and the digest the engines reported.
+padded token tensors, tagged with the version and the digest the engines reported. After the
+rollouts every rank asks the engines it used whether they are still exactly what the sync
+verified (no restart, no control event since); if any is not, the rollouts are discarded, the
+fleet is synced and verified again, and the prompts are generated again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +24,7 @@ from ...weightsync.sync import WeightSync
 from ..base import Rollouts, encode_prompts
 from .control import controls, http
 
+log = logging.getLogger(__name__)
 
 class VLLMFleetEngine:
     def __init__(self, sync: WeightSync, tokenizer, *, timeout_s: float = TIMEOUT_S, device=None,
@@ -82,15 +87,32 @@ class VLLMFleetEngine:
             self._model_names[url] = http(url, "/v1/models", timeout=self.timeout_s)["data"][0]["id"]
         return self._model_names[url]
 
+    REGENERATE = 2  # times rollouts are redone after an engine changed under them, before giving up
+
     def generate(self, prompts, *, samples_per_prompt, max_new_tokens, temperature, generator, with_digest=False):
+        """Every trainer rank (collective: ranks agree whether the rollouts stand)."""
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        problems: list[str] = []
+        for _ in range(1 + self.REGENERATE):
+            out, used = self._generate(prompts, seeds, samples_per_prompt, max_new_tokens, temperature, with_digest)
+            problems = self.sync.changed(used)
+            if self.sync._all_ok(not problems):
+                return out
+            for p in problems:
+                log.error("rollouts discarded: %s", p)
+            self.sync.sync(self.version, verify=True)  # re-verify every engine (a changed one is resynced)
+        raise NoReadyEngineError(f"rollouts for weight version {self.version} kept coming from engines that changed "
+                                 f"after verification: {problems}")
+
+    def _generate(self, prompts, seeds, samples_per_prompt, max_new_tokens, temperature, with_digest):
         result = self.sync.last
         if result is None or self.version is None or result.version != self.version:
             raise NoReadyEngineError("generate() before a completed weight sync: call sync_weights first")
         ready = result.ready
         ids, mask = encode_prompts(self.tokenizer, prompts)
         rows = [ids[i][mask[i].bool()].tolist() for i in range(len(prompts))]
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
         offset = self.sync.rank
+        used = sorted({ready[(i + offset) % len(ready)] for i in range(len(prompts))})
 
         def request(i: int) -> list[list[int]]:
             url = ready[(i + offset) % len(ready)]
@@ -123,7 +145,7 @@ class VLLMFleetEngine:
             raise NoReadyEngineError(f"weight sync {self.version} ran without verification; sync with verify=True "
                                      "to get a digest with the rollouts")
         return Rollouts(ids.to(dev), mask.to(dev), comp.to(dev), comp_mask.to(dev), texts, self.version,
-                        result.digest if with_digest else None)
+                        result.digest if with_digest else None), used
 
 
 def make_vllm_fleet(config, trainer, tokenizer, *, device, sharded: bool) -> VLLMFleetEngine:

