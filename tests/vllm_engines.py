@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -90,3 +91,30 @@ def complete(url: str, prompts: list[list[int]], max_tokens: int = 6) -> list[tu
         choice = r["choices"][0]
         out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
     return out
+
+
+def spawn_receiver(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A bare weight receiver process (``dist_sr.weightsync.receiver``) on loopback, just started:
+    the process and its base URL (``wait_healthy`` before use; the caller kills it)."""
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra],
+                            cwd=REPO)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, tries: int = 200) -> None:
+    """Until ``url`` answers ``/health`` or ``proc`` has exited (about 10 s at most)."""
+    for _ in range(tries):
+        if proc.poll() is not None:
+            return
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def start_receiver(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    proc, url = spawn_receiver(*extra, port=port)
+    wait_healthy(proc, url)
+    return proc, url

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,32 @@ def step_dirs(root: Path) -> list[Path]:
     """Complete-looking ``step<N>`` directories under ``root``, newest first."""
     return sorted((d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()),
                   key=lambda d: -int(d.name[4:]))
+
+
+def choose_verified(root: Path, named: Path, rank: int) -> Path:
+    """Collective: the checkpoint to resume, ``named`` (what ``latest`` names) if its files match
+    their manifest, else the newest other step directory that does (with a warning naming why the
+    newer ones were refused). Rank 0 verifies the files once and every rank loads its choice."""
+    import torch.distributed as dist
+
+    choice: list = [None, []]
+    if rank == 0:
+        for candidate in [named] + [d for d in step_dirs(root) if d != named]:
+            try:
+                verify_manifest(candidate)
+            except (CheckpointCorrupt, OSError, ValueError) as exc:
+                choice[1].append(str(exc))
+                continue
+            choice[0] = candidate.name
+            break
+    dist.broadcast_object_list(choice, src=0)
+    chosen, problems = choice
+    if chosen is None:
+        raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
+    if problems and rank == 0:
+        warnings.warn(f"dist_sr: resuming from {root / chosen}; refused newer: {'; '.join(problems)}", RuntimeWarning,
+                      stacklevel=3)
+    return root / chosen
 
 
 def state_digest(obj: Any) -> str:

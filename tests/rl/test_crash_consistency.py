@@ -7,8 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from dist_sr.rl.config import to_dict
 from dist_sr.rl.trainer import read_metrics
 from dist_sr.rl.warmup import warmup_checkpoint
 from dist_sr.rollout.vllm.control import VLLMControl
-from tests.vllm_engines import REPO, free_port
+from tests.vllm_engines import REPO, free_port, start_receiver
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 6, 2  # checkpoints after steps 2, 4, 6
@@ -86,17 +84,8 @@ print(r.digest, r.ready)
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_trainer_killed_mid_sync_leaves_no_engine_claiming_verified_weights(seed, tmp_path):
-    port = free_port()
-    receiver = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port)], cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+    receiver, url = start_receiver()
     try:
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.05)
-
         def sync(version, fault=None):
             env = {**os.environ, **({"DIST_SR_FAULT": fault} if fault else {})}
             return subprocess.run([sys.executable, "-c", SYNC, url, str(free_port()), str(version)], cwd=REPO,

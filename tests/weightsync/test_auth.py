@@ -20,7 +20,7 @@ from dist_sr.weightsync import auth
 from dist_sr.weightsync.control import EngineError
 from dist_sr.weightsync.sync import WeightSync
 from dist_sr.weightsync.transport import open_store
-from tests.vllm_engines import REPO, free_port
+from tests.vllm_engines import REPO, free_port, start_receiver
 
 SECRET = os.environ["DIST_SR_SYNC_SECRET"].encode()  # tests/conftest.py: this session's
 OTHER = b"an-attacker-who-guessed-wrong-0123456789"
@@ -84,20 +84,9 @@ def test_the_secret_comes_from_env_or_file_and_is_never_optional(tmp_path, monke
 def receiver():
     procs = []
 
-    def start(*extra, env=None):
-        port = free_port()
-        p = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra],
-                             cwd=REPO, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
-        url = f"http://127.0.0.1:{port}"
+    def start(*extra):
+        p, url = start_receiver(*extra)
         procs.append(p)
-        for _ in range(200):
-            if p.poll() is not None:
-                return p, url
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.05)
         return p, url
 
     yield start
@@ -250,14 +239,8 @@ def test_the_trainer_sees_an_engine_that_changed_after_it_was_verified(receiver)
     pb.kill()
     pb.wait()
     assert any(p.startswith(b) for p in ws.changed([b]))  # gone
-    again = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port)], cwd=REPO)
+    again, _ = start_receiver(port=port)
     try:
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(b + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.05)
         (problem,) = ws.changed([b])  # back, but not the engine that was verified
         assert "restarted or changed" in problem
         r = ws.sync(2)  # the restarted one holds no groups: its update fails, it rejoins, both verified

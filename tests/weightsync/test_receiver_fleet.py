@@ -3,10 +3,6 @@ rank offsets, both transports from 2 trainer ranks, a receiver killed mid-sync. 
 
 import json
 import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -16,7 +12,7 @@ from dist_sr.rollout.vllm.control import controls
 from dist_sr.sources import ReplicatedSource
 from dist_sr.weightsync.sync import WeightSync
 from tests.dist_utils import run_workers
-from tests.vllm_engines import REPO, free_port
+from tests.vllm_engines import free_port, spawn_receiver, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +22,9 @@ def receivers():
     procs = []
 
     def start(n, *extra):
-        for _ in range(n):
-            port = free_port()
-            p = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra],
-                                 cwd=REPO)
-            procs.append((p, f"http://127.0.0.1:{port}"))
+        procs.extend(spawn_receiver(*extra) for _ in range(n))  # all start at once, then each is awaited
         for p, url in procs[-n:]:
-            for _ in range(200):
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.05)
+            wait_healthy(p, url)
         return procs[-n:]
 
     yield start

@@ -4,7 +4,6 @@ SR block, and the hook (``hook``) rounds where DeepSpeed copies its masters."""
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ from ...optim import StickingMeter, optimizer_class
 from ...numerics.digest import combine
 from ...sources import ReplicatedSource, WeightSource, add_rank_sums, layout_free_digest
 from ..base import TrainSettings
-from ..checkpoints import CheckpointCorrupt, prune_checkpoints, step_dirs, verify_manifest, write_manifest
+from ..checkpoints import choose_verified, prune_checkpoints, write_manifest
 from ...config import ConfigError
 from .config import config_for_precision, hyperparameter_conflicts
 from .hook import initialize
@@ -127,23 +126,7 @@ class DeepSpeedEngine:
         if not (root / "latest").exists():
             return None
         named = root / (root / "latest").read_text().strip()
-        choice: list = [None, []]  # rank 0 verifies the files once; every rank loads its choice
-        if self.rank == 0:
-            for candidate in [named] + [d for d in step_dirs(root) if d != named]:
-                try:
-                    verify_manifest(candidate)
-                except (CheckpointCorrupt, OSError, ValueError) as exc:
-                    choice[1].append(str(exc))
-                    continue
-                choice[0] = candidate.name
-                break
-        dist.broadcast_object_list(choice, src=0)
-        chosen, problems = choice
-        if chosen is None:
-            raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
-        if problems and self.rank == 0:
-            warnings.warn(f"dist_sr: resuming from {root / chosen}; refused newer: {'; '.join(problems)}",
-                          RuntimeWarning, stacklevel=2)
+        chosen = choose_verified(root, named, self.rank).name
         tag, client = self.engine.load_checkpoint(str(root), tag=chosen)
         if tag is None:
             raise RuntimeError(f"{path / 'deepspeed'}: DeepSpeed found no loadable checkpoint at the tag 'latest' names")

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -20,8 +19,7 @@ from ...optim import optimizer_class
 from ...numerics.digest import combine
 from ...sources import add_rank_sums, layout_free_digest
 from ..base import TrainSettings
-from ..checkpoints import (CheckpointCorrupt, prune_checkpoints, step_dirs, verify_manifest, write_atomic,
-                           write_manifest)
+from ..checkpoints import choose_verified, prune_checkpoints, write_atomic, write_manifest
 from .apply import apply_fsdp2, pure_bf16_optimizer
 from .hook import sharded_state_dict
 from .source import FSDP2Source, sent_sums
@@ -125,24 +123,7 @@ class FSDP2Engine:
         if not latest.exists():
             return None
         named = root / latest.read_text().strip()
-        choice: list = [None, []]  # rank 0 verifies the files once; every rank loads its choice
-        if self.rank == 0:
-            for candidate in [named] + [d for d in step_dirs(root) if d != named]:
-                try:
-                    verify_manifest(candidate)
-                except (CheckpointCorrupt, OSError, ValueError) as exc:
-                    choice[1].append(str(exc))
-                    continue
-                choice[0] = str(candidate)
-                break
-        dist.broadcast_object_list(choice, src=0)
-        chosen, problems = choice
-        if chosen is None:
-            raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
-        ckpt = Path(chosen)
-        if problems and self.rank == 0:
-            warnings.warn(f"dist_sr: resuming from {ckpt}; refused newer: {'; '.join(problems)}", RuntimeWarning,
-                          stacklevel=2)
+        ckpt = choose_verified(root, named, self.rank)
         meta = json.loads((ckpt / "dist_sr.json").read_text())
         if (meta["sr"] is None) != (self.ctx is None):
             raise ConfigError(f"{ckpt} was saved {'without' if meta['sr'] is None else 'with'} SR; resume it with "
