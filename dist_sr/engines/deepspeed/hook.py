@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ...numerics import RoundingBatch, RoundingJob, stochastic_round
+from ...numerics import RoundingBatch, RoundingJob, live, stochastic_round
 from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
 from .config import CONFIG_KEY, SRConfig, load_ds_config, split_config
@@ -145,6 +145,7 @@ def attach(engine, *, seed: int, mode: str = "stochastic") -> "DeepSpeedSR":
     sr = DeepSpeedSR(engine, seed, mode)
     sr.install()
     engine.dist_sr = sr  # the handle: engine.dist_sr.resync(), .step, .seed, .mode
+    live.register(sr)  # export_bf16 finds the key of this engine's parameters
     return sr
 
 
@@ -156,6 +157,7 @@ class DeepSpeedSR:
         self.engine, self.seed, self.mode = engine, seed, mode
         self.optimizer = engine.optimizer
         self.names = {id(p): normalize_param_name(n) for n, p in engine.module.named_parameters()}
+        self.trained = {self.names[id(p)] for p in engine.module.parameters() if p.requires_grad}
         self._in_step = False
         self._batches: dict = {}
         self.layout = layout_for(self)
@@ -164,6 +166,9 @@ class DeepSpeedSR:
     def step(self) -> int:
         """The optimizer step whose result is being rounded (global_steps advances after it)."""
         return self.engine.global_steps + (1 if self._in_step else 0)
+
+    def rounds(self, name: str) -> bool | None:
+        return True if name in self.trained else False if name in self.names.values() else None
 
     @torch.no_grad()
     def round_local(self) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ...numerics import stochastic_round
+from ...numerics import live, stochastic_round
 from ...numerics.key import check_key_state, check_mode, normalize_param_name
 from ...numerics.shards import shard_layout
 from ...replica import tensor_digest
@@ -59,6 +59,11 @@ class SRContext:
     # name -> ((step, version), BF16 shard, global offset) last handed to the all-gather. Kept
     # here, not on the parameter: FSDP2 calls the hook on its own view of the sharded storage.
     rounded: dict[str, tuple[tuple[int, int], torch.Tensor, int]] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)  # the parameters wrapped (rounded with this key)
+    frozen: set[str] = field(default_factory=set)  # the model's other parameters (cast to BF16 as they are)
+
+    def rounds(self, name: str) -> bool | None:
+        return True if name in self.names else False if name in self.frozen else None
 
     def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
         """``(BF16 shard, global offset)`` this rank last handed to the all-gather for ``name``,
@@ -189,6 +194,7 @@ def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: s
     ctx = SRContext(seed=seed, mode=mode, backend=backend)
     for full_name, param in list(model.named_parameters()):
         if not param.requires_grad:
+            ctx.frozen.add(normalize_param_name(full_name))
             continue
         if param.dtype != torch.float32:
             raise TypeError(f"{full_name!r} is {param.dtype}: FSDP2 SR keeps the FP32 master as the sharded "
@@ -200,6 +206,8 @@ def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: s
         wrapped = nn.Parameter(SRShadowParam(param.detach(), ctx, normalize_param_name(full_name)),
                                requires_grad=True)
         setattr(owner, attr, wrapped)
+        ctx.names.add(normalize_param_name(full_name))
+    live.register(ctx)  # export_bf16 finds the key of these names
     return ctx
 
 

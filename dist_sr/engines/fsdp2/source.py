@@ -91,16 +91,20 @@ class FSDP2Source:
             offset, bits = self._rounded_local(n, params, replica_slot(params[n]))
             yield LocalPiece(n, offset, offset + bits.numel(), bits.reshape(-1))
 
+    def full(self, name: str, params: dict | None = None) -> torch.Tensor:
+        """The full working weight ``name`` on every rank (collective: every rank calls it)."""
+        params = self.params if params is None else params
+        p = params[name]
+        _, bits = self._rounded_local(name, params)
+        if not isinstance(p, DTensor):
+            return bits.view(p.shape)
+        return DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
+
     def gather(self, names):
         out, params = {}, self.params
         for n in names:
-            p = params[n]
-            _, bits = self._rounded_local(n, params)
-            if isinstance(p, DTensor):
-                full = DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements,
-                                          shape=p.shape, stride=p.stride()).full_tensor()
-            else:
-                full = bits
+            full = self.full(n, params)
             if self.rank == 0:
                 out[n] = full
         return out
