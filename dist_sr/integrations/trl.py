@@ -1,0 +1,227 @@
+"""TRL: keyed SR for ``GRPOTrainer`` (and the other TRL trainers that push weights to vLLM
+through ``trl.generation.vllm_generation.VLLMGeneration``), with one call between building the
+trainer and training it:
+
+    trainer = GRPOTrainer(model=..., args=GRPOConfig(..., bf16=True, deepspeed="ds.json"), ...)
+    dist_sr.integrations.trl.enable(trainer, seed=1234)
+    trainer.train()
+
+DeepSpeed (ZeRO 0-3): ``enable`` puts the ``"stochastic_rounding"`` block into the DeepSpeed config
+accelerate hands to ``deepspeed.initialize`` (or checks the one the JSON already has) and turns on
+dist-sr's ``initialize`` hook in this process. The policy's engine rounds with the key at
+DeepSpeed's copy sites; engines without an optimizer (the reference model with ``beta > 0``, a
+reward model) stay as loaded. The BF16 parameters TRL gathers for vLLM are then the trainer's bits.
+
+FSDP2 (accelerate ``fsdp_version: 2``): ``enable`` wraps the FP32 parameters for SR in the
+all-gather before accelerate shards the model (upcasting BF16 ones, as accelerate itself would),
+sets the mixed-precision policy to BF16 parameters with FP32 gradient reduction, and the key
+follows the optimizer (resuming from a checkpoint, from the restored step). TRL exports FSDP2
+weights as ``param.full_tensor()``, the FP32 masters, which vLLM's loader would round to nearest:
+``enable`` routes TRL's weight iterator through ``export_bf16``, so server and colocate mode push
+the keyed bits the forward pass used.
+
+Metrics in the trainer's logs, so every ``report_to`` (TensorBoard, W&B, ...) gets them:
+``dist_sr/key_step`` (the key's optimizer step) and ``dist_sr/changed_frac`` (the fraction of
+working-weight elements whose bits changed since the previous log: the sticking signal, near 0
+when BF16 updates stall).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import TrainerCallback
+
+from ..engines.deepspeed.config import CONFIG_KEY
+from ..engines.fsdp2.hook import MIXED_PRECISION, SRShadowParam, prepare
+from ..numerics.key import check_mode
+from ..weightsync.export import export_bf16, rollout_shards
+
+log = logging.getLogger("dist_sr.trl")
+
+# accelerators of trainers with SR enabled: their VLLMGeneration pushes go through export_bf16
+_ENABLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", metrics: bool = True) -> "DistSRCallback":
+    """Turn keyed SR on for a TRL/transformers trainer built but not yet trained; returns the
+    callback it adds. ``seed``: the rounding key's seed (for DeepSpeed it may come from the JSON's
+    block instead; given in both places, they must agree)."""
+    check_mode(mode)
+    accelerator = trainer.accelerator
+    if getattr(trainer.args, "bf16", False) is not True:
+        raise ValueError("stochastic rounding needs BF16 working weights: set bf16=True in the training arguments")
+    if _is_peft(trainer.model):
+        raise NotImplementedError("dist-sr rounds full-parameter training; with PEFT/LoRA the adapters stay in "
+                                  "their own dtype and the merged export is not a keyed rounding")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        backend = "deepspeed"
+        seed = _deepspeed_block(accelerator, seed, mode)
+    elif getattr(trainer, "is_fsdp_enabled", False):
+        plugin = accelerator.state.fsdp_plugin
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise NotImplementedError("dist-sr supports FSDP2 (fsdp_config fsdp_version: 2), not FSDP1")
+        if getattr(plugin, "cpu_ram_efficient_loading", False):
+            raise ValueError("fsdp cpu_ram_efficient_loading re-creates the parameters while sharding, which drops "
+                             "the SR wrapping; set fsdp_cpu_ram_efficient_loading to false")
+        if seed is None:
+            raise ValueError("enable(trainer, seed=...): FSDP2 needs the rounding key's seed")
+        backend = "fsdp2"
+        ctx = prepare_fsdp2(trainer.model, plugin, seed=seed, mode=mode)
+    else:
+        raise NotImplementedError("dist-sr's TRL integration needs DeepSpeed (a deepspeed= config) or FSDP2 "
+                                  "(fsdp_version 2); for one process, use DeepSpeed ZeRO-0..3 with one rank")
+    callback = DistSRCallback(trainer, backend, ctx if backend == "fsdp2" else None, metrics=metrics)
+    trainer.add_callback(callback)
+    _add_metrics_to_logs(trainer, callback)
+    route_vllm_exports(accelerator, callback)
+    log.info("dist-sr: keyed SR enabled for %s (%s, seed %d, mode %s)", type(trainer).__name__, backend, seed, mode)
+    return callback
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+
+
+def prepare_fsdp2(model, plugin, *, seed: int, mode: str = "stochastic"):
+    """Before accelerate shards ``model`` with FSDP2: FP32 trainable parameters (BF16 ones
+    upcast, as accelerate would), each wrapped for keyed SR in the all-gather, and the plugin's
+    policy set to BF16 parameters with FP32 gradient reduction. Returns the ``SRContext``."""
+    for _, p in model.named_parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+    ctx = prepare(model, seed=seed, mode=mode)
+    plugin.mixed_precision_policy = MIXED_PRECISION
+    return ctx
+
+
+def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
+    import dist_sr_deepspeed_hook
+
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    block = config.get(CONFIG_KEY)
+    if block is None or not block.get("enabled", True):
+        if seed is None:
+            raise ValueError("enable(trainer, seed=...): give the seed, or a \"stochastic_rounding\" block in the "
+                             "DeepSpeed JSON")
+        config[CONFIG_KEY] = {"enabled": True, "seed": seed, "mode": mode}
+    else:
+        if seed is not None and int(block.get("seed", seed)) != seed:
+            raise ValueError(f"enable(trainer, seed={seed}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has seed "
+                             f"{block.get('seed')}: give one seed")
+        seed = int(block["seed"])
+    if not dist_sr_deepspeed_hook.enabled():
+        raise RuntimeError(f"{dist_sr_deepspeed_hook.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; "
+                           "unset it to use SR")
+    dist_sr_deepspeed_hook.register()  # deepspeed.initialize honours the block from now on
+    return seed
+
+
+class DistSRCallback(TrainerCallback):
+    """Keeps the key in step with the optimizer (FSDP2), checks SR reached the policy's weights
+    when training starts, and adds the SR metrics to the logs."""
+
+    def __init__(self, trainer, backend: str, ctx, *, metrics: bool = True):
+        self.trainer = weakref.proxy(trainer)
+        self.backend, self.ctx, self.metrics = backend, ctx, metrics
+        self._previous: dict[tuple[str, int], torch.Tensor] | None = None
+        self._handle = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs: Any):
+        if self.backend == "deepspeed":
+            engine = self.trainer.model_wrapped
+            if getattr(engine, "dist_sr", None) is None:
+                raise RuntimeError("the DeepSpeed engine was built without dist-sr's SR: call "
+                                   "dist_sr.integrations.trl.enable(trainer) before trainer.train()")
+            return
+        model = self.trainer.model_wrapped
+        for m in model.modules():  # a forward without backward leaves the root unsharded: read the shards
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        lost = [n for n, p in model.named_parameters()
+                if p.requires_grad and not isinstance(getattr(p, "_local_tensor", p), SRShadowParam)]
+        if lost:
+            raise RuntimeError(f"{len(lost)} trainable parameters lost their SR wrapping while accelerate prepared "
+                               f"the model (first: {lost[0]}); enable() must run before trainer.train(), with no "
+                               "other code re-creating the parameters")
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        if self._handle is None:
+            self._handle = self.ctx.track(inner)
+        self.ctx.step = int(state.global_step)  # a resumed run continues the key where it stopped
+        self.ctx.masters_changed()
+
+    def key_step(self) -> int:
+        if self.backend == "deepspeed":
+            return int(self.trainer.model_wrapped.dist_sr.step)
+        return int(self.ctx.step)
+
+    @torch.no_grad()
+    def changed_frac(self) -> float | None:
+        """Fraction of working-weight elements whose bits changed since the last call (this
+        rank's pieces, summed over ranks: collective)."""
+        current = {(p.name, p.start): p.bits.detach().clone() for p in rollout_shards(self.trainer.model_wrapped)}
+        changed = total = 0
+        if self._previous is not None:
+            for key, bits in current.items():
+                before = self._previous.get(key)
+                if before is not None and before.shape == bits.shape:
+                    changed += int((before.view(torch.int16) != bits.view(torch.int16)).sum())
+                    total += bits.numel()
+        self._previous = current
+        counts = torch.tensor([changed, total], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+    def add_metrics(self, logs: dict) -> None:
+        """Called by the trainer's ``log`` (wrapped by ``enable``) before any logger sees ``logs``."""
+        if not self.metrics or "train_runtime" in logs:
+            return
+        logs["dist_sr/key_step"] = self.key_step()
+        frac = self.changed_frac()
+        if frac is not None:
+            logs["dist_sr/changed_frac"] = frac
+
+
+def _add_metrics_to_logs(trainer, callback: DistSRCallback) -> None:
+    """The trainer's ``log`` adds the SR metrics first, so its history and every ``report_to``
+    logger get them (a callback's ``on_log`` runs after the history is written and after the
+    loggers registered before it)."""
+    original = trainer.log
+
+    def log(logs: dict, *args: Any, **kwargs: Any):
+        callback.add_metrics(logs)
+        return original(logs, *args, **kwargs)
+
+    trainer.log = log
+
+
+def route_vllm_exports(accelerator, callback: DistSRCallback) -> None:
+    """From now on TRL's ``VLLMGeneration._iter_named_params`` (the one iterator its server and
+    colocate pushes read) yields, for generations on ``accelerator``, each tensor through
+    ``export_bf16`` with ``callback``'s key: BF16 working weights as they are, FP32 masters as the
+    keyed SR of the live step."""
+    _ENABLED[accelerator] = callback
+    try:
+        from trl.generation.vllm_generation import VLLMGeneration
+    except ImportError:  # a TRL without this class: nothing to route
+        return
+    original = VLLMGeneration._iter_named_params
+    if getattr(original, "__dist_sr__", False):
+        return
+
+    def _iter_named_params(self):
+        callback = _ENABLED.get(self.accelerator)
+        if callback is None:
+            yield from original(self)
+            return
+        for name, tensor in original(self):
+            yield name, export_bf16(name, tensor, key=callback.ctx)
+
+    _iter_named_params.__dist_sr__ = True
+    VLLMGeneration._iter_named_params = _iter_named_params
