@@ -42,6 +42,9 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DistSRWeightTransferEngine")
+    from .held import install_load_recorder
+
+    install_load_recorder()  # what the engine holds, whatever transport loads it (WorkerExtension)
 
 
 @dataclass
@@ -131,3 +134,11 @@ class WorkerExtension:
         if not isinstance(engine, DistSRWeightTransferEngine):
             return {"version": None, "digests": {}, "complete": False, "backend": type(engine).__name__}
         return engine.receiver.report()
+
+    def dist_sr_held_weights(self) -> dict:
+        """The layout-free digest of the weights this worker holds now, under HF names, however
+        they arrived (the checkpoint loader, dist-sr's backend, TRL's ``load_weights`` push,
+        vLLM's own NCCL weight transfer): ``{"method", "digests"}`` (``held.report``)."""
+        from .held import report
+
+        return report(self.model_runner.get_model())
