@@ -20,7 +20,8 @@ def launcher_env() -> dict:
     inherited rank variables, one thread per rank, DeepSpeed on the CPU, the repository importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+               DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return env
 
 

@@ -44,7 +44,7 @@ from ...numerics import RoundingBatch, RoundingJob, live, stochastic_round
 from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
 from .config import CONFIG_KEY, SRConfig, load_ds_config, split_config
-from .version import UnsupportedDeepSpeed, check_version
+from .version import UnsupportedDeepSpeed, check_universal_reload, check_version
 
 log = logging.getLogger("dist_sr.deepspeed")
 
@@ -203,6 +203,8 @@ class DeepSpeedSR:
         original_load = engine.load_checkpoint
 
         def load_checkpoint(*args, **kwargs):
+            if engine.load_universal_checkpoint():
+                check_universal_reload()
             result = original_load(*args, **kwargs)
             self.resync()  # the loaders copy RTN: re-derive the keyed bits from the loaded master
             return result

