@@ -47,6 +47,7 @@ T_ROUND = "tests/numerics/test_rounding.py"
 T_DS = "tests/engines/test_deepspeed.py"
 T_FSDP2 = "tests/engines/test_fsdp2.py"
 T_AUTH = "tests/weightsync/test_auth.py"
+T_EXPORT = "tests/weightsync/test_export.py"
 
 MUTANTS = [
     Mutant("key-drops-step", "numerics: rounding key", "dist_sr/numerics/key.py",
@@ -191,6 +192,22 @@ MUTANTS = [
            'return sorted([r.get("rank"), r.get("boot"), r.get("events")] for r in reports)',
            'return sorted([r.get("rank"), r.get("boot")] for r in reports)',
            (f"{T_AUTH}::test_the_trainer_sees_an_engine_that_changed_after_it_was_verified",)),
+    Mutant("export-casts-to-nearest", "weightsync: export", "dist_sr/weightsync/export.py",
+           "return stochastic_round(t, seed=owner.seed, step=owner.step, param=name, offset=offset, mode=owner.mode)",
+           "return t.to(torch.bfloat16)",
+           (f"{T_EXPORT}::test_export_refuses_what_it_cannot_round_faithfully",)),
+    Mutant("export-ignores-offset", "weightsync: export", "dist_sr/weightsync/export.py",
+           "param=name, offset=offset, mode=owner.mode", "param=name, offset=0, mode=owner.mode",
+           (f"{T_EXPORT}::test_export_refuses_what_it_cannot_round_faithfully",)),
+    Mutant("trl-push-not-routed", "integrations: TRL", "dist_sr/integrations/trl.py",
+           "yield name, export_bf16(name, tensor, key=callback.ctx)", "yield name, tensor",
+           ("tests/integrations/test_trl.py::test_fsdp2_trl_export_pushes_the_keyed_bits_not_the_masters",)),
+    Mutant("trl-resume-restarts-the-key", "integrations: TRL", "dist_sr/integrations/trl.py",
+           "self.ctx.step = int(state.global_step)", "self.ctx.step = self.ctx.step",
+           ("tests/integrations/test_trl.py::test_fsdp2_trl_export_pushes_the_keyed_bits_not_the_masters",)),
+    Mutant("held-record-skips-the-cast", "rollout: vLLM held weights", "dist_sr/rollout/vllm/held.py",
+           "stored = stored.to(self.dtype)", "stored = stored",
+           ("tests/rollout/test_held_record.py::test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on",)),
 ]
 
 
