@@ -6,7 +6,7 @@
 
 Without ``--model`` it trains a tiny Qwen2 it saves to ``<output-dir>/model`` first (this machine
 has no model hub); with a GPU and vLLM, add ``--use-vllm``: the weights TRL pushes to vLLM are the
-trainer's keyed BF16 bits. Metrics (``dist_sr/changed_frac``, ``dist_sr/key_step``) go wherever
+trainer's keyed BF16 bits. Metrics (``dist_sr/unfollowed_frac``, ``dist_sr/key_step``) go wherever
 ``--report-to`` says (TensorBoard by default).
 """
 
@@ -63,7 +63,7 @@ def build_trainer(a: argparse.Namespace):
                       report_to=a.report_to, save_strategy="no", model_init_kwargs={"dtype": torch.float32})
     model = a.model or tiny_model(out / "model")
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=args, train_dataset=data)
-    dsr_trl.enable(trainer, seed=a.seed)  # the one line SR needs
+    dsr_trl.enable(trainer, seed=a.seed, sticking=True)  # the one line SR needs (sticking: log the metric)
     return trainer
 
 

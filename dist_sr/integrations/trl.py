@@ -21,9 +21,9 @@ weights as ``param.full_tensor()``, the FP32 masters, which vLLM's loader would 
 the keyed bits the forward pass used.
 
 Metrics in the trainer's logs, so every ``report_to`` (TensorBoard, W&B, ...) gets them:
-``dist_sr/key_step`` (the key's optimizer step) and ``dist_sr/changed_frac`` (the fraction of
-working-weight elements whose bits changed since the previous log: the sticking signal, near 0
-when BF16 updates stall).
+``dist_sr/key_step`` (the key's optimizer step) and, with ``sticking=True``,
+``dist_sr/unfollowed_frac``: the share of the FP32 masters' movement since the previous log that
+the BF16 working weights did not follow (~1 when round-to-nearest sticks, ~0 with SR).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
 from ..engines.deepspeed.config import CONFIG_KEY
-from ..engines.fsdp2.hook import MIXED_PRECISION, SRShadowParam, prepare
-from ..numerics.key import check_mode
-from ..weightsync.export import export_bf16, rollout_shards
+from ..engines.fsdp2.hook import MIXED_PRECISION, SRShadowParam, plain, prepare
+from ..numerics import stochastic_round
+from ..numerics.key import check_mode, normalize_param_name
+from ..numerics.shards import local_shard, replica_slot
+from ..weightsync.export import export_bf16
 
 log = logging.getLogger("dist_sr.trl")
 
@@ -48,11 +50,14 @@ log = logging.getLogger("dist_sr.trl")
 _ENABLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", metrics: bool = True) -> "DistSRCallback":
+def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", sticking: bool = False) -> "DistSRCallback":
     """Turn keyed SR on for a TRL/transformers trainer built but not yet trained; returns the
     callback it adds. ``seed``: the rounding key's seed (for DeepSpeed it may come from the JSON's
-    block instead; given in both places, they must agree)."""
+    block instead; given in both places, they must agree). ``sticking``: log
+    ``dist_sr/unfollowed_frac`` (costs 6 bytes per local parameter)."""
     check_mode(mode)
+    if any(isinstance(cb, DistSRCallback) for cb in trainer.callback_handler.callbacks):
+        raise RuntimeError("dist-sr is already enabled for this trainer")
     accelerator = trainer.accelerator
     if getattr(trainer.args, "bf16", False) is not True:
         raise ValueError("stochastic rounding needs BF16 working weights: set bf16=True in the training arguments")
@@ -76,7 +81,7 @@ def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", metric
     else:
         raise NotImplementedError("dist-sr's TRL integration needs DeepSpeed (a deepspeed= config) or FSDP2 "
                                   "(fsdp_version 2); for one process, use DeepSpeed ZeRO-0..3 with one rank")
-    callback = DistSRCallback(trainer, backend, ctx if backend == "fsdp2" else None, metrics=metrics)
+    callback = DistSRCallback(trainer, backend, ctx if backend == "fsdp2" else None, sticking=sticking)
     trainer.add_callback(callback)
     _add_metrics_to_logs(trainer, callback)
     route_vllm_exports(accelerator, callback)
@@ -114,6 +119,13 @@ def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
         if seed is not None and int(block.get("seed", seed)) != seed:
             raise ValueError(f"enable(trainer, seed={seed}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has seed "
                              f"{block.get('seed')}: give one seed")
+        if block.get("mode", mode) != mode:
+            raise ValueError(f"enable(trainer, mode={mode!r}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has mode "
+                             f"{block.get('mode')!r}: give one mode")
+        if seed is None and "seed" not in block:
+            raise ValueError(f"the DeepSpeed JSON's {CONFIG_KEY!r} block has no seed: add one, or enable(trainer, seed=...)")
+        block.setdefault("seed", seed)
+        block.setdefault("mode", mode)
         seed = int(block["seed"])
     if not dist_sr_deepspeed_hook.enabled():
         raise RuntimeError(f"{dist_sr_deepspeed_hook.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; "
@@ -126,10 +138,10 @@ class DistSRCallback(TrainerCallback):
     """Keeps the key in step with the optimizer (FSDP2), checks SR reached the policy's weights
     when training starts, and adds the SR metrics to the logs."""
 
-    def __init__(self, trainer, backend: str, ctx, *, metrics: bool = True):
+    def __init__(self, trainer, backend: str, ctx, *, sticking: bool = False):
         self.trainer = weakref.proxy(trainer)
-        self.backend, self.ctx, self.metrics = backend, ctx, metrics
-        self._previous: dict[tuple[str, int], torch.Tensor] | None = None
+        self.backend, self.ctx, self.sticking = backend, ctx, sticking
+        self._previous: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._handle = None
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs: Any):
@@ -155,37 +167,64 @@ class DistSRCallback(TrainerCallback):
         self.ctx.step = int(state.global_step)  # a resumed run continues the key where it stopped
         self.ctx.masters_changed()
 
-    def key_step(self) -> int:
+    def _key(self):
+        return self.trainer.model_wrapped.dist_sr if self.backend == "deepspeed" else self.ctx
+
+    def _master_pieces(self):
+        """``(name, flat FP32 master piece, global offset)`` of this rank's share of the SR'd
+        parameters (the ranks' shares are disjoint)."""
         if self.backend == "deepspeed":
-            return int(self.trainer.model_wrapped.dist_sr.step)
-        return int(self.ctx.step)
+            for name, hp, offset in self._key().layout.master_pieces():
+                yield name, hp.detach().reshape(-1), offset
+            return
+        model = self.trainer.model_wrapped
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        for name, p in model.named_parameters():
+            local, offset, rows = local_shard(p)
+            local = plain(local)
+            name = normalize_param_name(name)
+            if rows is None and replica_slot(p)[0] == 0 and self.ctx.rounds(name) is True and local.numel():
+                yield name, local.reshape(-1), offset
 
     @torch.no_grad()
-    def changed_frac(self) -> float | None:
-        """Fraction of working-weight elements whose bits changed since the last call (this
-        rank's pieces, summed over ranks: collective)."""
-        current = {(p.name, p.start): p.bits.detach().clone() for p in rollout_shards(self.trainer.model_wrapped)}
-        changed = total = 0
-        if self._previous is not None:
-            for key, bits in current.items():
-                before = self._previous.get(key)
-                if before is not None and before.shape == bits.shape:
-                    changed += int((before.view(torch.int16) != bits.view(torch.int16)).sum())
-                    total += bits.numel()
+    def unfollowed_frac(self) -> float | None:
+        """``1 - <dW, dS> / <dS, dS>`` since the previous call: the share of the FP32 masters'
+        movement (dS) the BF16 working weights (dW) did not follow. Round-to-nearest that sticks
+        gives ~1; unbiased SR gives ~0 (``E[dW] = dS``). Collective (sums over every rank's
+        pieces); None on the first call. Keeps a copy of this rank's masters (FP32) and working
+        weights (BF16): 6 bytes per local parameter."""
+        key = self._key()
+        device = self.trainer.accelerator.device
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        current = {}
+        for name, master, offset in self._master_pieces():
+            working = stochastic_round(master, seed=key.seed, step=key.step, param=key.key_name(name), offset=offset,
+                                       mode=key.mode)
+            current[(name, offset)] = (master.clone(), working)
+            before = None if self._previous is None else self._previous.get((name, offset))
+            if before is not None and before[0].shape == master.shape:
+                d_master = (master - before[0]).double()
+                d_working = working.double() - before[1].double()
+                sums += torch.stack([(d_working * d_master).sum(), (d_master * d_master).sum()]).to(device)
+        first = self._previous is None
         self._previous = current
-        counts = torch.tensor([changed, total], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+            dist.all_reduce(sums)
+        if first or float(sums[1]) == 0.0:
+            return None
+        return float(1.0 - sums[0] / sums[1])
 
     def add_metrics(self, logs: dict) -> None:
         """Called by the trainer's ``log`` (wrapped by ``enable``) before any logger sees ``logs``."""
-        if not self.metrics or "train_runtime" in logs:
+        if "train_runtime" in logs or "eval_loss" in logs:
             return
-        logs["dist_sr/key_step"] = self.key_step()
-        frac = self.changed_frac()
-        if frac is not None:
-            logs["dist_sr/changed_frac"] = frac
+        logs["dist_sr/key_step"] = int(self._key().step)
+        if self.sticking:
+            frac = self.unfollowed_frac()
+            if frac is not None:
+                logs["dist_sr/unfollowed_frac"] = frac
 
 
 def _add_metrics_to_logs(trainer, callback: DistSRCallback) -> None:

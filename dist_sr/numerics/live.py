@@ -27,6 +27,10 @@ class KeyOwner(Protocol):
         None when the model has no parameter of that name."""
         ...
 
+    def key_name(self, name: str) -> str:
+        """The name the parameter is keyed by (a tied weight's first name)."""
+        ...
+
 
 _OWNERS: list[weakref.ref] = []
 

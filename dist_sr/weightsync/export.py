@@ -41,6 +41,12 @@ def export_bf16(name: str, tensor: torch.Tensor, *, key: live.KeyOwner | None = 
     """
     from ..engines.fsdp2.hook import plain  # the FP32 behind an SR-wrapped parameter
 
+    if hasattr(tensor, "device_mesh"):
+        raise TypeError(f"export_bf16({name!r}): a DTensor (one rank's shard); pass tensor.full_tensor(), or use "
+                        "rollout_shards() for shard-direct export")
+    if getattr(tensor, "ds_id", None) is not None:
+        raise TypeError(f"export_bf16({name!r}): a ZeRO-3 partitioned parameter; pass the DeepSpeed engine to "
+                        "rollout_weights(), or gather it first")
     t = plain(tensor)
     if t.dtype == torch.bfloat16:
         return t
@@ -61,7 +67,8 @@ def export_bf16(name: str, tensor: torch.Tensor, *, key: live.KeyOwner | None = 
         raise KeyError(f"export_bf16({name!r}): the given key's model has no parameter of this name")
     if not rounds:  # frozen: the forward pass casts it round-to-nearest
         return t.to(torch.bfloat16)
-    return stochastic_round(t, seed=owner.seed, step=owner.step, param=name, offset=offset, mode=owner.mode)
+    return stochastic_round(t, seed=owner.seed, step=owner.step, param=owner.key_name(name), offset=offset,
+                            mode=owner.mode)
 
 
 def _fsdp2_root(module: nn.Module):
@@ -99,10 +106,12 @@ def _fsdp2_source(module: nn.Module, root):
     return FSDP2Source(module, ctx, rank, world, as_bf16=ctx is None and param_dtype == torch.bfloat16)
 
 
-def rollout_weights(obj, *, key: live.KeyOwner | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def rollout_weights(obj) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every parameter of ``obj`` as the forward pass uses it, one
     at a time. With DeepSpeed ZeRO-3 or FSDP2 each tensor is gathered: every rank must iterate
-    (collective); every rank gets the full tensor."""
+    (collective); every rank gets the full tensor. A plain module's parameters are taken as they
+    are (BF16 working weights, or FP32 ones its forward uses in FP32), except FP32 masters
+    wrapped by ``fsdp2.prepare``, which are rounded with their key."""
     if _is_deepspeed(obj):
         yield from _deepspeed_weights(obj)
         return
@@ -117,11 +126,12 @@ def rollout_weights(obj, *, key: live.KeyOwner | None = None) -> Iterator[tuple[
     from ..engines.fsdp2.hook import SRShadowParam
 
     for name, p in module.named_parameters():
+        if getattr(p, "ds_id", None) is not None:
+            raise TypeError(f"{name!r} is a ZeRO-3 partitioned parameter: pass the DeepSpeed engine "
+                            "(trainer.model_wrapped), not its module")
         name = normalize_param_name(name)
         if isinstance(p, SRShadowParam):
-            yield name, export_bf16(name, p, key=key or p._ctx)
-        elif p.dtype == torch.float32 and (key is not None or live.owner_of(name) is not None):
-            yield name, export_bf16(name, p, key=key)
+            yield name, export_bf16(name, p, key=p._ctx)
         else:
             yield name, p.detach()
 

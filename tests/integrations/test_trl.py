@@ -27,8 +27,10 @@ def run_example(tmp_path, nproc: int, *args: str) -> dict:
 def check_trained(result: dict, steps: int):
     assert result["steps"] == steps and result["attached"] and result["names"] and result["moved"]
     assert result["keyed"]  # every tensor TRL would push equals stochastic_round(full master), bitwise
-    assert result["logged"] == ["dist_sr/changed_frac", "dist_sr/key_step"]
-    assert len(result["changed_frac"]) == steps - 1 and all(0 < f <= 1 for f in result["changed_frac"])
+    assert result["logged"] == ["dist_sr/key_step", "dist_sr/unfollowed_frac"]
+    # SR follows the masters' movement in expectation: the unfollowed share is ~0 (its noise here,
+    # ~ulp / (2 |dS| sqrt(N)) over ~50k elements moved ~1e-3 each, is below 0.01; RTN that sticks gives ~1)
+    assert len(result["unfollowed"]) == steps - 1 and all(abs(f) < 0.05 for f in result["unfollowed"])
 
 
 def test_grpo_zero2_two_ranks_pushes_the_keyed_bits(tmp_path):
@@ -44,7 +46,7 @@ def test_grpo_zero2_two_ranks_pushes_the_keyed_bits(tmp_path):
         acc = EventAccumulator(str(e))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    assert {"train/dist_sr/changed_frac", "train/dist_sr/key_step"} <= tags
+    assert {"train/dist_sr/unfollowed_frac", "train/dist_sr/key_step"} <= tags
 
 
 def test_grpo_zero3_with_a_reference_model_pushes_the_keyed_bits(tmp_path):
@@ -82,6 +84,7 @@ def _fsdp2_worker(rank, world_size):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     class Trainer:  # what the callback reads of the trainer
         model_wrapped = model
+        accelerator = Accelerator(cpu=True)
 
     trainer = Trainer()
     callback = dsr_trl.DistSRCallback(trainer, "fsdp2", ctx)
@@ -109,10 +112,12 @@ def _fsdp2_worker(rank, world_size):
     assert sorted(pushed) == sorted(expected) == sorted(working)
     for n in expected:
         assert torch.equal(bits(pushed[n]), bits(expected[n])) and torch.equal(bits(working[n]), bits(expected[n])), n
+    assert callback.unfollowed_frac() is None  # the first call only takes the reference
+    train(model, opt, 2)
+    assert abs(callback.unfollowed_frac()) < 0.05  # SR follows the masters (RTN that sticks: ~1)
     # a resumed run continues the key from the restored step
     callback.on_train_begin(None, TrainerState(global_step=7), None, optimizer=opt)
     assert ctx.step == 7
-    assert callback.changed_frac() is None and callback.changed_frac() == 0.0  # nothing moved between the two
 
 
 def test_fsdp2_trl_export_pushes_the_keyed_bits_not_the_masters():

@@ -43,8 +43,8 @@ def main():
               "keyed": keyed, "moved": engine.global_steps > 0 and any(
                   not torch.equal(a, b) for a, b in zip(sent.values(), masters.values())),
               "logged": sorted({k for h in trainer.state.log_history for k in h if k.startswith("dist_sr/")}),
-              "changed_frac": [h["dist_sr/changed_frac"] for h in trainer.state.log_history
-                               if "dist_sr/changed_frac" in h]}
+              "unfollowed": [h["dist_sr/unfollowed_frac"] for h in trainer.state.log_history
+                             if "dist_sr/unfollowed_frac" in h]}
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
         import deepspeed

@@ -2,6 +2,7 @@
 ``load_weights`` streams through unchanged and is digested as the engine stores it (its dtype,
 round-to-nearest as vLLM's parameter copy casts). On a real engine: test_vllm_held_weights.py."""
 
+import pytest
 import torch
 
 from dist_sr.numerics.digest import combine, tensor_sums
@@ -30,4 +31,14 @@ def test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on():
     # a later push of one tensor replaces that tensor's entry only
     update = torch.randn(5, 3, generator=g)
     model.load_weights([("model.embed_tokens.weight", update)])
-    assert combine(record.entries) == combine(tensor_sums({**stored, "model.embed_tokens.weight": update.to(torch.bfloat16)}))
+    after = {**stored, "model.embed_tokens.weight": update.to(torch.bfloat16)}
+    assert combine(record.entries) == combine(tensor_sums(after))
+
+    def failing_load(weights):  # a load that raises part-way records nothing
+        next(iter(weights))
+        raise RuntimeError("the engine refused the weight")
+
+    model.load_weights = record.wrap(failing_load)
+    with pytest.raises(RuntimeError, match="refused"):
+        model.load_weights([("model.norm.weight", torch.zeros(4))])
+    assert combine(record.entries) == combine(tensor_sums(after))

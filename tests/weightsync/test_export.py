@@ -93,6 +93,56 @@ def test_deepspeed_rollout_weights_are_the_keyed_bits_at_every_stage(stage):
     run_workers(_deepspeed_worker, 2, stage)
 
 
+def _tied_frozen_worker(rank, world_size):
+    """Tied embeddings (as Qwen2.5-0.5B) and a frozen parameter under FSDP2 with SR."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dist_sr.engines import fsdp2
+    from tests.engines.test_fsdp2 import capture_working, train
+
+    config = Qwen2Config(vocab_size=5, hidden_size=24, intermediate_size=41, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.model.norm.weight.requires_grad_(False)
+    ctx = fsdp2.prepare(model, seed=SEED)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, to the one wrapped master
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ctx.track(opt)
+    train(model, opt, STEPS)
+    masters = fsdp2.full_master(model)
+    exported = dict(rollout_weights(model))
+    used = capture_working(model)
+    assert "lm_head.weight" not in exported and torch.equal(bits(used["lm_head.weight"]),
+                                                            bits(used["model.embed_tokens.weight"]))
+    assert_same(exported, {n: used[n] for n in exported})  # the forward's bits, frozen norm included
+    frozen = "model.norm.weight"
+    assert torch.equal(bits(exported[frozen]), bits(masters[frozen].to(torch.bfloat16)))  # RTN, as FSDP2 casts it
+    # a state_dict exporter sees the alias too: keyed by the tied weight's first name
+    embed = masters["model.embed_tokens.weight"]
+    assert torch.equal(bits(export_bf16("lm_head.weight", embed)), bits(exported["model.embed_tokens.weight"]))
+
+
+@pytest.mark.slow
+def test_tied_and_frozen_parameters_export_the_forward_bits():
+    run_workers(_tied_frozen_worker, 2)
+
+
+def test_a_zero3_module_without_its_engine_is_refused():
+    class Partitioned(torch.nn.Module):  # a ZeRO-3 module passed without its engine
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+            self.w.ds_id = 0
+
+    with pytest.raises(TypeError, match="pass the DeepSpeed engine"):
+        list(rollout_weights(Partitioned()))
+
+
 def test_a_module_with_bf16_working_weights_is_exported_as_it_is():
     model = tiny_qwen2()
     opt = dist_sr.ShadowOptimizer(model.named_parameters(), seed=3, working_dtype=torch.bfloat16, lr=1e-2)

@@ -158,6 +158,9 @@ class DeepSpeedSR:
         self.optimizer = engine.optimizer
         self.names = {id(p): normalize_param_name(n) for n, p in engine.module.named_parameters()}
         self.trained = {self.names[id(p)] for p in engine.module.parameters() if p.requires_grad}
+        self.aliases = {normalize_param_name(n): self.names[id(p)]  # a tied weight's other names
+                        for n, p in engine.module.named_parameters(remove_duplicate=False)
+                        if normalize_param_name(n) != self.names[id(p)]}
         self._in_step = False
         self._batches: dict = {}
         self.layout = layout_for(self)
@@ -168,7 +171,12 @@ class DeepSpeedSR:
         return self.engine.global_steps + (1 if self._in_step else 0)
 
     def rounds(self, name: str) -> bool | None:
+        name = self.aliases.get(name, name)
         return True if name in self.trained else False if name in self.names.values() else None
+
+    def key_name(self, name: str) -> str:
+        """The name a (possibly tied) parameter is keyed by."""
+        return self.aliases.get(name, name)
 
     @torch.no_grad()
     def round_local(self) -> None:

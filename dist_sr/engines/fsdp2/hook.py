@@ -61,9 +61,15 @@ class SRContext:
     rounded: dict[str, tuple[tuple[int, int], torch.Tensor, int]] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)  # the parameters wrapped (rounded with this key)
     frozen: set[str] = field(default_factory=set)  # the model's other parameters (cast to BF16 as they are)
+    aliases: dict[str, str] = field(default_factory=dict)  # a tied weight's other names -> the name it is keyed by
 
     def rounds(self, name: str) -> bool | None:
+        name = self.aliases.get(name, name)
         return True if name in self.names else False if name in self.frozen else None
+
+    def key_name(self, name: str) -> str:
+        """The name a (possibly tied) parameter is keyed by."""
+        return self.aliases.get(name, name)
 
     def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
         """``(BF16 shard, global offset)`` this rank last handed to the all-gather for ``name``,
@@ -192,21 +198,28 @@ def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: s
     """
     check_mode(mode)
     ctx = SRContext(seed=seed, mode=mode, backend=backend)
-    for full_name, param in list(model.named_parameters()):
+    wrapped_by_id: dict[int, tuple[nn.Parameter, str]] = {}  # a tied parameter is wrapped once, under its first name
+    for full_name, param in list(model.named_parameters(remove_duplicate=False)):
+        name = normalize_param_name(full_name)
+        owner_name, _, attr = full_name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if id(param) in wrapped_by_id:  # another name of a tied weight: the same wrapped parameter
+            wrapped, first = wrapped_by_id[id(param)]
+            setattr(owner, attr, wrapped)
+            ctx.aliases[name] = first
+            continue
         if not param.requires_grad:
-            ctx.frozen.add(normalize_param_name(full_name))
+            ctx.frozen.add(name)
             continue
         if param.dtype != torch.float32:
             raise TypeError(f"{full_name!r} is {param.dtype}: FSDP2 SR keeps the FP32 master as the sharded "
                             "parameter; build the model in FP32 and let the all-gather cast to BF16")
         if isinstance(param, SRShadowParam) or hasattr(param, "_local_tensor"):
             raise ValueError(f"{full_name!r} is already wrapped or sharded: call prepare() before fully_shard()")
-        owner_name, _, attr = full_name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        wrapped = nn.Parameter(SRShadowParam(param.detach(), ctx, normalize_param_name(full_name)),
-                               requires_grad=True)
+        wrapped = nn.Parameter(SRShadowParam(param.detach(), ctx, name), requires_grad=True)
         setattr(owner, attr, wrapped)
-        ctx.names.add(normalize_param_name(full_name))
+        wrapped_by_id[id(param)] = (wrapped, name)
+        ctx.names.add(name)
     live.register(ctx)  # export_bf16 finds the key of these names
     return ctx
 

@@ -78,6 +78,8 @@ class FSDP2Source:
             local, offset = local.view(-1)[lo:hi], offset + lo
         if self.ctx is None:
             return offset, local.to(torch.bfloat16) if self.as_bf16 else local
+        if self.ctx.rounds(name) is not True:  # frozen: FSDP2's all-gather casts it round-to-nearest
+            return offset, local.to(torch.bfloat16)
         return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
                                         mode=self.ctx.mode)
 

@@ -1,4 +1,4 @@
-"""What a vLLM worker holds: the layout-free digest of the weights it serves now, under the
+"""What a vLLM worker loaded: the layout-free digest of the weights it serves now, under the
 trainer's (Hugging Face) names, however they arrived (the checkpoint loader, dist-sr's backend,
 TRL's ``load_weights`` push, vLLM's NCCL weight transfer). Every one of those ends in the model's
 ``load_weights``, so that is where it is recorded: every tensor handed to it, in the dtype the
@@ -10,7 +10,8 @@ load and every later push are seen.
 Why not read the parameters back: vLLM's CPU backend repacks linear weights for oneDNN and
 empties the parameters, and vLLM fuses q/k/v and gate/up into one parameter; the tensors handed
 to ``load_weights`` are the trainer's own, by name. A loader that transforms weights (online
-quantization) holds something else than it was handed: the record then says what was sent.
+quantization) holds something else than it was handed: the record then says what was sent. A
+call that raises records nothing; one that returns is taken to have stored what it was handed.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ class LoadRecord:
 
     def wrap(self, load_weights):
         def recording_load_weights(weights, *args, **kwargs):
-            return load_weights(self._see(weights), *args, **kwargs)
+            staged: dict = {}
+            result = load_weights(self._see(weights, staged), *args, **kwargs)
+            self.entries.update(staged)  # only a load that returned counts
+            return result
 
         recording_load_weights.__dist_sr_record__ = self
         return recording_load_weights
 
-    def _see(self, weights):
+    def _see(self, weights, staged: dict):
         for name, tensor in weights:
             stored = tensor.detach()
             if stored.is_floating_point() and stored.dtype != self.dtype:
                 stored = stored.to(self.dtype)  # what the parameter's copy_ makes of it
-            self.entries[name] = (dtype_name(stored.dtype), tuple(stored.shape),
-                                  piece_sum(stored.contiguous().reshape(-1).cpu(), 0))
+            staged[name] = (dtype_name(stored.dtype), tuple(stored.shape), piece_sum(stored.contiguous().reshape(-1), 0))
             yield name, tensor
 
 

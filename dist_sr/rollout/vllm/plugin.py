@@ -42,9 +42,16 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DistSRWeightTransferEngine")
-    from .held import install_load_recorder
+    if _vllm_version() not in TESTED_VLLM:
+        log.warning("dist-sr: vLLM %s is not a tested version (%s): weight loads are not recorded",
+                    _vllm_version(), ", ".join(TESTED_VLLM))
+        return
+    try:
+        from .held import install_load_recorder
 
-    install_load_recorder()  # what the engine holds, whatever transport loads it (WorkerExtension)
+        install_load_recorder()  # what the engine holds, whatever transport loads it (WorkerExtension)
+    except Exception as exc:  # never keep vLLM from starting over the record
+        log.warning("dist-sr: weight loads are not recorded (%r)", exc)
 
 
 @dataclass
