@@ -13,8 +13,12 @@ class StickingMeter:
       working weights did not follow, ``1 - <dW, dS> / <dS, dS>`` with ``dS = S_t - S_0`` and
       ``dW = W_t - W_0``. Round-to-nearest that sticks gives ~1; unbiased rounding gives ~0,
       since ``E[dW] = dS``. ``None`` without shadows or before the shadows move.
+    - ``dead_zone_frac``: fraction of this step's non-zero updates of the full-precision weights
+      (the shadows, or FP32 working weights) smaller than half the BF16 spacing at the weight, the
+      updates round-to-nearest from a BF16 grid point drops on arrival. ``None`` when the
+      full-precision weights are not visible (pure BF16) or nothing moved.
 
-    Memory: a copy of the working weights (their dtype) and, with shadows, of the shadows (FP32).
+    Memory: a copy of the working weights (their dtype) and, with shadows, two of the shadows (FP32).
     """
 
     def __init__(self, named_working: list[tuple[str, torch.Tensor]],
@@ -27,9 +31,10 @@ class StickingMeter:
         self._prev = [w.detach().clone() for w in self.working]
         self._w0 = [w.detach().float() for w in self.working] if shadows is not None else None
         self._s0 = [s.detach().clone() for s in shadows] if shadows is not None else None
+        self._s_prev = [s.detach().clone() for s in shadows] if shadows is not None else None
 
     @classmethod
-    def for_optimizer(cls, optimizer) -> "StickingMeter":
+    def for_optimizer(cls, optimizer) -> StickingMeter:
         """A meter over a ShadowOptimizer (with shadows) or any optimizer with named groups."""
         if hasattr(optimizer, "named_shadows"):
             triples = optimizer.named_shadows()
@@ -42,16 +47,30 @@ class StickingMeter:
         """Take the current working weights as the last step's (after loading a checkpoint)."""
         for prev, w in zip(self._prev, self.working):
             prev.copy_(w)
+        for prev, s in zip(self._s_prev or [], self.shadows or []):
+            prev.copy_(s)
 
     @torch.no_grad()
     def update(self) -> dict[str, float | None]:
         """Metrics for the step since the last call (call once after each optimizer step)."""
-        changed = total = 0
+        changed = total = small = moved = 0
+        if self.shadows is not None:
+            full = list(zip(self._s_prev, self.shadows))
+        elif self.working and all(w.dtype == torch.float32 for w in self.working):
+            full = list(zip(self._prev, self.working))
+        else:
+            full = None  # pure BF16: the updates before rounding are not visible
+        for before, after in full or []:  # before the working copies below are refreshed
+            s_small, s_moved = dead_zone_counts(before, after.detach())
+            small, moved = small + s_small, moved + s_moved
+            if self.shadows is not None:
+                before.copy_(after)
         for prev, w in zip(self._prev, self.working):
             changed += int((prev.view(-1) != w.detach().view(-1)).sum())  # NaN != NaN counts as changed
             total += w.numel()
             prev.copy_(w)
-        metrics: dict[str, float | None] = {"changed_frac": changed / max(total, 1), "unfollowed_frac": None}
+        metrics: dict[str, float | None] = {"changed_frac": changed / max(total, 1), "unfollowed_frac": None,
+                                            "dead_zone_frac": small / moved if moved else None}
         if self.shadows is not None:
             dot = norm2 = 0.0
             for w0, s0, w, s in zip(self._w0, self._s0, self.working, self.shadows):
@@ -61,3 +80,19 @@ class StickingMeter:
             if norm2 > 0:
                 metrics["unfollowed_frac"] = 1.0 - dot / norm2
         return metrics
+
+
+def bf16_half_spacing(x: torch.Tensor) -> torch.Tensor:
+    """Half the distance from ``bf16(x)`` (round to nearest) to the next BF16 value away from zero:
+    the largest update round-to-nearest can drop at a weight on the BF16 grid."""
+    b = x.to(torch.bfloat16)
+    up = (b.view(torch.int16) + 1).view(torch.bfloat16).float().abs()  # next magnitude up (sign kept)
+    return (up - b.float().abs()) / 2
+
+
+def dead_zone_counts(before: torch.Tensor, after: torch.Tensor) -> tuple[int, int]:
+    """(updates smaller than half the BF16 spacing at ``before``, non-zero updates), finite ones only."""
+    step = (after.float() - before.float()).view(-1)
+    half = bf16_half_spacing(before.float()).view(-1)
+    moved = (step != 0) & torch.isfinite(step) & torch.isfinite(half)
+    return int((moved & (step.abs() < half)).sum()), int(moved.sum())

@@ -44,4 +44,30 @@ def test_meter_without_shadows_reports_changes_only():
     meter = StickingMeter.for_optimizer(opt)
     w.grad = torch.ones_like(w)
     opt.step()
-    assert meter.update() == {"changed_frac": 1.0, "unfollowed_frac": None}
+    assert meter.update() == {"changed_frac": 1.0, "unfollowed_frac": None, "dead_zone_frac": None}
+
+
+def test_dead_zone_fraction_counts_updates_below_half_a_bf16_spacing():
+    # weights at 1.0 (BF16 spacing 2^-7 above): SGD steps of 1e-3 (< 2^-8) and 6e-3 (between half and a
+    # whole spacing), half each, plus elements whose gradient is zero (no update: not counted)
+    n = 1000
+    grad = torch.cat([torch.full((n,), -1e-3), torch.full((n,), -6e-3), torch.zeros(n)])
+    for mode in ("nearest", "stochastic"):
+        w = nn.Parameter(torch.ones(3 * n, dtype=torch.bfloat16))
+        opt = ShadowOptimizer([("w", w)], torch.optim.SGD, lr=1.0, seed=0, mode=mode)
+        meter = StickingMeter.for_optimizer(opt)
+        w.grad = grad.to(torch.bfloat16).float().to(torch.bfloat16)
+        opt.step()
+        assert meter.update()["dead_zone_frac"] == 0.5
+        # the next step measures from where the shadows are now, not from the start
+        w.grad = torch.cat([torch.full((2 * n,), -1e-2), torch.zeros(n)]).to(torch.bfloat16)
+        opt.step()
+        assert meter.update()["dead_zone_frac"] == 0.0
+
+
+def test_dead_zone_fraction_of_fp32_weights_is_measured_against_the_bf16_grid():
+    w = nn.Parameter(torch.full((4,), 3.0))  # BF16 spacing at 3.0: 2^-6, half 2^-7 = 0.0078
+    meter = StickingMeter([("w", w)])
+    with torch.no_grad():
+        w.add_(torch.tensor([0.001, 0.007, 0.008, 0.0]))
+    assert meter.update()["dead_zone_frac"] == 2 / 3
