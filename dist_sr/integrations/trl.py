@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
 from ..engines.deepspeed.config import CONFIG_KEY
 from ..engines.fsdp2.hook import MIXED_PRECISION, SRShadowParam, plain, prepare
+from ..engines.fsdp2.source import reshard_all
 from ..numerics import stochastic_round
 from ..numerics.key import check_mode, normalize_param_name
 from ..numerics.shards import local_shard, replica_slot
@@ -152,9 +152,7 @@ class DistSRCallback(TrainerCallback):
                                    "dist_sr.integrations.trl.enable(trainer) before trainer.train()")
             return
         model = self.trainer.model_wrapped
-        for m in model.modules():  # a forward without backward leaves the root unsharded: read the shards
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        reshard_all(model)  # a forward without backward leaves the root unsharded: read the shards
         lost = [n for n, p in model.named_parameters()
                 if p.requires_grad and not isinstance(getattr(p, "_local_tensor", p), SRShadowParam)]
         if lost:
@@ -178,9 +176,7 @@ class DistSRCallback(TrainerCallback):
                 yield name, hp.detach().reshape(-1), offset
             return
         model = self.trainer.model_wrapped
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        reshard_all(model)
         for name, p in model.named_parameters():
             local, offset, rows = local_shard(p)
             local = plain(local)

@@ -39,6 +39,15 @@ def sent_sums(module: torch.nn.Module, ctx) -> dict[str, int]:
     return sums
 
 
+
+def reshard_all(module: torch.nn.Module) -> None:
+    """Reshard every FSDP2 module in ``module``. A forward without backward leaves FSDP2's root
+    (which does not reshard after forward) holding unsharded BF16 parameters; a sharded module is
+    left as it is. Anything that reads the FP32 shards calls this first."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
 class FSDP2Source:
     """FSDP2 with keyed SR: the working weights exist only inside forward, as the all-gather of
     SR'd shards; this source rounds each local FP32 shard with its global offsets (the bits the
@@ -52,12 +61,8 @@ class FSDP2Source:
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
-        """The sharded parameters. A forward without backward leaves FSDP2's root (which does not
-        reshard after forward) holding unsharded BF16 parameters: reshard first (a no-op when
-        sharded), so the source always reads the FP32 shards."""
-        for m in self.module.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        """The sharded parameters (resharded first, so the source always reads the FP32 shards)."""
+        reshard_all(self.module)
         return {normalize_param_name(n): p for n, p in self.module.named_parameters()}
 
     def metadata(self) -> list[Meta]:
