@@ -120,7 +120,10 @@ def test_repo_compare_config_is_the_embedded_default():
     file_cfg = load_compare(ROOT / "configs" / "compare-quickstart.yaml")
     default = load_compare(None)
     assert [asdict(r) for r in file_cfg.runs] == [asdict(r) for r in default.runs]
-    assert (file_cfg.seeds, file_cfg.threshold, file_cfg.reference) == (default.seeds, default.threshold, default.reference)
+    assert (file_cfg.seeds, file_cfg.start_seeds, file_cfg.threshold, file_cfg.reference, file_cfg.lrs) == \
+        (default.seeds, default.start_seeds, default.threshold, default.reference, default.lrs)
+    for name in ("compare-lr-sweep", "compare-controls", "compare-large"):
+        load_compare(ROOT / "configs" / f"{name}.yaml")  # every shipped comparison loads
 
 
 def test_compare_config_validates_every_run(tmp_path):

@@ -1,0 +1,171 @@
+"""The comparison: start checkpoints x seeds x learning rates, their spreads, and claim checks that
+must hold at every start checkpoint."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dist_sr.rl.compare import (cells, load_compare, run_comparison, run_config, run_dir, run_seeds, summarize,
+                                write_report)
+from dist_sr.rl.config import ConfigError
+
+from .conftest import EASY
+
+RUNS = [{"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"},
+        {"name": "bf16-sr", "precision": "bf16-sr"}]
+
+
+def write_curves(cfg, curves: dict, dead: dict | None = None) -> None:
+    """Metrics files as the trainer writes them: ``curves[(label, start, seed)]`` is the eval
+    accuracy at steps 0, 10, 20; every step has a train row."""
+    for cell in cells(cfg):
+        for start in cfg.start_seeds:
+            for seed in run_seeds(cfg, cell):
+                acc = curves[(cell.label, start, seed)]
+                path = run_dir(cfg, cell, start, seed)
+                path.mkdir(parents=True)
+                rows = [{"step": 0, "eval_accuracy": acc[0], "eval_kl": 0.0}]
+                for step in range(1, 21):
+                    row = {"step": step, "reward": 0.5, "changed_frac": 0.01,
+                           "dead_zone_frac": (dead or {}).get(cell.label)}
+                    if step % 10 == 0:
+                        row.update(eval_accuracy=acc[step // 10], eval_kl=1e-3 * step)
+                    rows.append(row)
+                (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_spreads_and_checks_are_over_start_checkpoints(tmp_path):
+    fp16 = {"name": "fp16", "precision": "fp16", "seeds": [0]}  # a slow run: one seed per start checkpoint
+    cfg = load_compare(None, {"output_dir": str(tmp_path), "start_seeds": [0, 1], "seeds": [0, 1],
+                              "runs": RUNS + [fp16], "report_steps": [10, 20], "threshold": 0.05})
+    curves = {("fp16", 0, 0): [0.2, 0.34, 0.35], ("fp16", 1, 0): [0.3, 0.40, 0.44]}
+    for seed in (0, 1):
+        # start 0 (acc 0.2): SR +0.10/+0.12 at step 10 (seeds 0/1), RTN +0.02: RTN lags (0.18x)
+        curves[("bf16-sr", 0, seed)] = [0.2, 0.30 + 0.02 * seed, 0.35]
+        curves[("fp32", 0, seed)] = [0.2, 0.31 + 0.02 * seed, 0.35]
+        curves[("bf16", 0, seed)] = [0.2, 0.22, 0.30]
+        # start 1 (acc 0.3): SR +0.10, RTN +0.08 at step 10: RTN keeps up (0.8x), reaches +0.05 as early
+        curves[("bf16-sr", 1, seed)] = [0.3, 0.40, 0.45]
+        curves[("fp32", 1, seed)] = [0.3, 0.40, 0.44]
+        curves[("bf16", 1, seed)] = [0.3, 0.38, 0.45]
+    write_curves(cfg, curves, dead={"bf16": 0.99})
+    summary = summarize(cfg)
+    sr = summary["bf16-sr"]
+    # mean of the four runs; std of the checkpoint means (0.31, 0.40); mean of the seed stds (0.01, 0)
+    mean, over_starts, over_seeds = sr["accuracy_at"][10]
+    assert (mean, over_starts, over_seeds) == pytest.approx((0.355, 0.045, 0.005))
+    assert sr["per_start"][0]["gain_at"][10] == pytest.approx(0.11)
+    assert sr["per_start"][1]["start_accuracy"] == pytest.approx(0.3)
+    assert summary["bf16"]["dead_zone_frac"] == pytest.approx(0.99) and sr["dead_zone_frac"] is None
+
+    report = write_report(cfg).read_text()
+    assert "| bf16-sr | 0.355 ± 0.045 / 0.005 |" in report
+    assert "| fp16 | 0.370 ± 0.030 / — |" in report and "| 0 | fp16 | 0.200 | 0.340 | 0.350 | 10 |" in report
+    assert "| 1 | bf16 | 0.300 | 0.380 | 0.450 | 10 |" in report  # the per-checkpoint table
+    checks = {line[6:].split(":")[0]: line for line in report.splitlines() if line.startswith("- [")}
+    gain = checks["bf16 (RTN) gain at step 10 <= 0.6x bf16-sr's"]
+    assert gain.startswith("- [ ]") and "holds at 1/2 start checkpoints (0: 0.18x, 1: 0.80x)" in gain
+    steps = checks["bf16 (RTN) needs >= 1.3x bf16-sr's steps to gain +0.05"]
+    assert steps.startswith("- [ ]") and "(0: 2.00x, 1: 1.00x)" in steps
+    within = checks["bf16-sr accuracy within 0.02 of fp32 at [10, 20]"]
+    assert within.startswith("- [x]") and "holds at 2/2" in within
+    within16 = checks["bf16-sr accuracy within 0.02 of fp16 at [10, 20]"]
+    assert within16.startswith("- [ ]") and "holds at 1/2 start checkpoints (0: largest gap 0.030, 1: largest gap 0.010)" in within16
+    assert (tmp_path / "figure.png").stat().st_size > 0
+
+
+def test_a_sweep_reports_each_learning_rate_with_its_dead_zone(tmp_path):
+    cfg = load_compare(None, {"output_dir": str(tmp_path), "start_seeds": [0], "seeds": [0], "runs": RUNS,
+                              "lrs": [2e-6, 2e-5], "report_steps": [10, 20]})
+    assert [c.label for c in cells(cfg)] == ["fp32@2e-06", "bf16@2e-06", "bf16-sr@2e-06",
+                                             "fp32@2e-05", "bf16@2e-05", "bf16-sr@2e-05"]
+    exp = run_config(cfg, cells(cfg)[4], 0, 0)
+    assert exp.grpo.lr == 2e-5 and exp.precision.precision == "bf16"
+    curves = {}
+    for lr, rtn_gain in (("2e-06", 0.01), ("2e-05", 0.08)):
+        curves[(f"fp32@{lr}", 0, 0)] = curves[(f"bf16-sr@{lr}", 0, 0)] = [0.2, 0.3, 0.4]
+        curves[(f"bf16@{lr}", 0, 0)] = [0.2, 0.2 + rtn_gain, 0.4]
+    write_curves(cfg, curves, dead={"bf16@2e-06": 0.999, "bf16@2e-05": 0.98})
+    report = write_report(cfg).read_text()
+    assert "| 2e-06 | 0.9990 | 0.10% | 0.400 | 0.400 | 0.400 | 0.10x | 1.00x | 2.00x |" in report
+    assert "| 2e-05 | 0.9800 | 2.00% | 0.400 | 0.400 | 0.400 | 0.80x | 1.00x | 1.00x |" in report
+    assert "at lr 2e-06: holds at 1/1" in report and (tmp_path / "sweep.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"start_seeds": []}, "start_seeds must be a non-empty list of ints"),
+    ({"seeds": [1, 1]}, "seeds has duplicates"),
+    ({"runs": [{"name": "a", "precision": "bf16", "seeds": []}], "reference": "a"}, "runs\\[0\\].seeds must be"),
+    ({"lrs": [1e-5, -1.0]}, "lrs must be a list of positive learning rates"),
+    ({"runs": [{"name": "a@b", "precision": "bf16"}], "reference": "a@b"}, "may not contain '@'"),
+    ({"experiment": {"model": {"path": "/models/q"}}, "start_seeds": [0, 1]}, "this experiment has no warm-up"),
+    ({"experiment": {"warmup": {"enabled": False}}, "start_seeds": [0, 1]}, "set start_seeds: \\[0\\]"),
+])
+def test_bad_sweeps_and_start_checkpoints_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_compare(None, overrides)
+
+
+@pytest.mark.slow
+def test_start_checkpoints_are_warmed_up_from_their_own_seed_and_finished_runs_are_reused(tmp_path, warmup_cache):
+    easy = {k: dict(v) for k, v in EASY.items()}
+    easy["grpo"].update(steps=2)
+    easy["eval"].update(every=1)
+    easy["warmup"].update(cache_dir=str(tmp_path / "cache"), max_steps=40)
+    cfg = load_compare(None, {"output_dir": str(tmp_path / "out"), "experiment": easy, "start_seeds": [3, 4],
+                              "seeds": [0], "runs": RUNS[1:], "report_steps": [1, 2], "parallel": 2})
+    run_comparison(cfg, progress=False)
+    from dist_sr.rl.warmup import warmup_checkpoint
+
+    ckpts = [warmup_checkpoint(run_config(cfg, cells(cfg)[0], start, 0), progress=False) for start in (3, 4)]
+    assert ckpts[0] != ckpts[1]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(c / "model.safetensors")) for c in ckpts)
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # two different start checkpoints
+    for cell in cells(cfg):
+        for start in (3, 4):
+            recorded = (run_dir(cfg, cell, start, 0) / "config.yaml").read_text()
+            assert f"seed: {start}" in recorded.split("warmup:")[1].split("grpo:")[0]
+            rows = [json.loads(x) for x in (run_dir(cfg, cell, start, 0) / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == [0, 1, 2]
+            dead = [r["dead_zone_frac"] for r in rows[1:]]
+            assert all(d is None or 0.0 <= d <= 1.0 for d in dead)
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("metrics.jsonl")}
+    report = run_comparison(cfg, progress=False).read_text()  # nothing left to train: the runs are reused
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    assert "holds at" in report and not math.isnan(summarize(cfg)["bf16"]["final_accuracy"])
+
+
+@pytest.mark.slow
+def test_the_larger_experiment_runs_its_own_config_for_a_few_steps(tmp_path):
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(__file__).resolve().parents[2]
+    tiny = {"grpo": {"steps": 2, "prompts_per_step": 4},
+            "warmup": {"max_steps": 2, "eval_every": 1, "eval_prompts": 16, "batch_size": 16,
+                       "cache_dir": str(tmp_path / "cache")},
+            "eval": {"every": 1, "num_prompts": 16}}
+    cfg = load_compare(root / "configs" / "compare-large.yaml",
+                       {"output_dir": str(tmp_path / "out"), "start_seeds": [0], "experiment": tiny,
+                        "report_steps": [1, 2]})
+    assert {c.spec.precision for c in cells(cfg)} == {"fp32", "fp16", "bf16", "bf16-sr"}
+    exp = run_config(cfg, cells(cfg)[0], 0, 0)
+    assert exp.task.name == "add" and exp.model.hidden_size == 384  # the GPU config's model and task
+    run_comparison(cfg, progress=False)
+    from dist_sr.rl.warmup import warmup_checkpoint
+
+    with safe_open(str(warmup_checkpoint(exp, progress=False) / "model.safetensors"), "pt") as f:
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert 10e6 <= n <= 20e6  # ~100x the quickstart's 109k parameters
+    for cell in cells(cfg):
+        rows = [json.loads(x) for x in (run_dir(cfg, cell, 0, 0) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert all(math.isfinite(r["loss"]) for r in rows[1:])
+        # two warm-up steps leave addition unsolved: rewards (and updates) may all be zero here
+        assert all(r["dead_zone_frac"] is None or 0.0 <= r["dead_zone_frac"] <= 1.0 for r in rows[1:])
+    assert (tmp_path / "out" / "report.md").exists()
