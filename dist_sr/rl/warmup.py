@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..engines import training_device
 from ..rollout.base import encode_prompts
 from .config import ExperimentConfig
 from .evaluation import evaluate, fixed_examples
@@ -64,6 +65,8 @@ def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
     if w.enabled and not hasattr(task, "distractor"):
         raise ValueError(f"task {task.name!r} has no distractor answers; warm up only generated tasks")
     model, tokenizer = new_tiny(cfg.model)
+    device = training_device()  # a GPU when there is one: the larger experiments warm up there too
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
     rng = random.Random(w.seed)
     eval_set = fixed_examples(task, w.eval_prompts, w.seed + 1)
@@ -73,8 +76,8 @@ def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
     for step in bar:
         batch = [task.sample(rng) for _ in range(w.batch_size)]
         targets = [task.distractor(e) if rng.random() < w.distractor_fraction else e.answer for e in batch]
-        ids, mask = encode_prompts(tokenizer, [e.prompt for e in batch])
-        tgt, tgt_mask = encode_targets(tokenizer, targets)
+        ids, mask = encode_prompts(tokenizer, [e.prompt for e in batch], device=device)
+        tgt, tgt_mask = (t.to(device) for t in encode_targets(tokenizer, targets))
         logp = token_logprobs(sequence_logits(model, ids, mask, tgt, tgt_mask), tgt)
         loss = -(logp * tgt_mask).sum() / tgt_mask.sum()
         opt.zero_grad()
@@ -88,7 +91,7 @@ def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
                 break
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp)  # on the BF16 grid, as released checkpoints are
+    model.to("cpu", torch.bfloat16).save_pretrained(tmp)  # on the BF16 grid, as released checkpoints are
     tokenizer.save_pretrained(tmp)
     (tmp / "warmup.json").write_text(json.dumps({"steps": step, "accuracy": accuracy, "key": cache_key(cfg)}))
     shutil.rmtree(path, ignore_errors=True)
