@@ -48,6 +48,7 @@ T_DS = "tests/engines/test_deepspeed.py"
 T_FSDP2 = "tests/engines/test_fsdp2.py"
 T_AUTH = "tests/weightsync/test_auth.py"
 T_EXPORT = "tests/weightsync/test_export.py"
+T_CMP = "tests/rl/test_compare.py"
 
 MUTANTS = [
     Mutant("key-drops-step", "numerics: rounding key", "dist_sr/numerics/key.py",
@@ -207,6 +208,16 @@ MUTANTS = [
     Mutant("held-record-skips-the-cast", "rollout: vLLM held weights", "dist_sr/rollout/vllm/held.py",
            "stored = stored.to(self.dtype)", "stored = stored",
            ("tests/rollout/test_held_record.py::test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on",)),
+    Mutant("dead-zone-full-spacing", "optim: sticking metrics", "dist_sr/optim/metrics.py",
+           "return (up - b.float().abs()) / 2", "return up - b.float().abs()",
+           ("tests/optim/test_metrics.py::test_dead_zone_fraction_counts_updates_below_half_a_bf16_spacing",)),
+    Mutant("claim-holds-at-any-checkpoint", "rl: comparison report", "dist_sr/rl/compare.py",
+           "return (what + at, len(held) == len(starts),", "return (what + at, len(held) > 0,",
+           (f"{T_CMP}::test_spreads_and_checks_are_over_start_checkpoints",)),
+    Mutant("seed-spread-over-all-runs", "rl: comparison report", "dist_sr/rl/compare.py",
+           "seeds = _mean([_std(vals) for vals in per_start]) if len(per_start[0]) > 1 else None",
+           "seeds = _std(flat) if len(per_start[0]) > 1 else None",
+           (f"{T_CMP}::test_spreads_and_checks_are_over_start_checkpoints",)),
 ]
 
 
