@@ -169,8 +169,12 @@ def run_config(cfg: CompareConfig, cell: Cell, start: int, seed: int) -> Experim
 
 
 def _warm_one(cfg: ExperimentConfig) -> str:
+    import torch
+
     from .warmup import warmup_checkpoint
 
+    if cfg.threads:  # as the runs do: workers sharing the cores each take their share, not all of them
+        torch.set_num_threads(cfg.threads)
     return str(warmup_checkpoint(cfg, progress=False))
 
 
