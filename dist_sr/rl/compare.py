@@ -421,6 +421,12 @@ def write_report(cfg: CompareConfig) -> Path:
     if not any((run_dir(cfg, cell, start, seed) / "metrics.jsonl").exists()
                for cell in cells(cfg) for start in cfg.start_seeds for seed in run_seeds(cfg, cell)):
         raise ConfigError(f"no finished runs under {out} to report on; run 'dist-sr compare' without --report-only")
+    unfinished = [f"{cell.label}/start-{start}/seed-{seed}" for cell in cells(cfg) for start in cfg.start_seeds
+                  for seed in run_seeds(cfg, cell) if not _finished(run_config(cfg, cell, start, seed))]
+    if unfinished:
+        raise ConfigError(f"{len(unfinished)} runs under {out} are not finished ({', '.join(unfinished[:3])}"
+                          f"{', ...' if len(unfinished) > 3 else ''}); run 'dist-sr compare' with this config to "
+                          "finish them (finished runs are reused), then report")
     summary = summarize(cfg)
     checks = [c for lr in _lrs(cfg) for c in goal_checks(cfg, summary, lr)]
     _plot(cfg, summary, out / "figure.png")

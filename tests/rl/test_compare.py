@@ -13,6 +13,7 @@ from dist_sr.rl.config import ConfigError
 
 from .conftest import EASY
 
+STEPS_20 = {"grpo": {"steps": 20}}  # the synthetic runs below end at step 20
 RUNS = [{"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"},
         {"name": "bf16-sr", "precision": "bf16-sr"}]
 
@@ -38,7 +39,7 @@ def write_curves(cfg, curves: dict, dead: dict | None = None) -> None:
 
 def test_spreads_and_checks_are_over_start_checkpoints(tmp_path):
     fp16 = {"name": "fp16", "precision": "fp16", "seeds": [0]}  # a slow run: one seed per start checkpoint
-    cfg = load_compare(None, {"output_dir": str(tmp_path), "start_seeds": [0, 1], "seeds": [0, 1],
+    cfg = load_compare(None, {"output_dir": str(tmp_path), "experiment": STEPS_20, "start_seeds": [0, 1], "seeds": [0, 1],
                               "runs": RUNS + [fp16], "report_steps": [10, 20], "threshold": 0.05})
     curves = {("fp16", 0, 0): [0.2, 0.34, 0.35], ("fp16", 1, 0): [0.3, 0.40, 0.44]}
     for seed in (0, 1):
@@ -77,7 +78,7 @@ def test_spreads_and_checks_are_over_start_checkpoints(tmp_path):
 
 
 def test_a_sweep_reports_each_learning_rate_with_its_dead_zone(tmp_path):
-    cfg = load_compare(None, {"output_dir": str(tmp_path), "start_seeds": [0], "seeds": [0], "runs": RUNS,
+    cfg = load_compare(None, {"output_dir": str(tmp_path), "experiment": STEPS_20, "start_seeds": [0], "seeds": [0], "runs": RUNS,
                               "lrs": [2e-6, 2e-5], "report_steps": [10, 20]})
     assert [c.label for c in cells(cfg)] == ["fp32@2e-06", "bf16@2e-06", "bf16-sr@2e-06",
                                              "fp32@2e-05", "bf16@2e-05", "bf16-sr@2e-05"]
@@ -92,6 +93,19 @@ def test_a_sweep_reports_each_learning_rate_with_its_dead_zone(tmp_path):
     assert "| 2e-06 | 0.9990 | 0.10% | 0.400 | 0.400 | 0.400 | 0.10x | 1.00x | 2.00x |" in report
     assert "| 2e-05 | 0.9800 | 2.00% | 0.400 | 0.400 | 0.400 | 0.80x | 1.00x | 1.00x |" in report
     assert "at lr 2e-06: holds at 1/1" in report and (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_report_over_unfinished_runs_is_refused_naming_them(tmp_path):
+    cfg = load_compare(None, {"output_dir": str(tmp_path), "experiment": STEPS_20, "start_seeds": [0, 1], "seeds": [0], "runs": RUNS,
+                              "report_steps": [10, 20]})
+    curves = {(c.label, w, 0): [0.2, 0.3, 0.4] for c in cells(cfg) for w in (0, 1)}
+    write_curves(cfg, curves)
+    cut = run_dir(cfg, cells(cfg)[1], 1, 0) / "metrics.jsonl"  # bf16 from checkpoint 1 stopped at step 12
+    cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:13]))
+    (run_dir(cfg, cells(cfg)[2], 0, 0) / "metrics.jsonl").unlink()  # bf16-sr from checkpoint 0 never started
+    with pytest.raises(ConfigError, match=r"2 runs under .* are not finished \(bf16/start-1/seed-0, "
+                                          r"bf16-sr/start-0/seed-0\); run 'dist-sr compare' with this config"):
+        write_report(cfg)
 
 
 @pytest.mark.parametrize("overrides,match", [
