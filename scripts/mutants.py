@@ -209,7 +209,7 @@ MUTANTS = [
            "stored = stored.to(self.dtype)", "stored = stored",
            ("tests/rollout/test_held_record.py::test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on",)),
     Mutant("dead-zone-full-spacing", "optim: sticking metrics", "dist_sr/optim/metrics.py",
-           "return (up - b.float().abs()) / 2", "return up - b.float().abs()",
+           "half = bf16_spacing(before.float()).view(-1) / 2", "half = bf16_spacing(before.float()).view(-1)",
            ("tests/optim/test_metrics.py::test_dead_zone_fraction_counts_updates_below_half_a_bf16_spacing",)),
     Mutant("claim-holds-at-any-checkpoint", "rl: comparison report", "dist_sr/rl/compare.py",
            "return (what + at, len(held) == len(starts),", "return (what + at, len(held) > 0,",

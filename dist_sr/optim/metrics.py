@@ -82,17 +82,18 @@ class StickingMeter:
         return metrics
 
 
-def bf16_half_spacing(x: torch.Tensor) -> torch.Tensor:
-    """Half the distance from ``bf16(x)`` (round to nearest) to the next BF16 value away from zero:
-    the largest update round-to-nearest can drop at a weight on the BF16 grid."""
+def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """The distance (FP32) from ``bf16(x)`` (round to nearest) to the next BF16 value away from
+    zero; NaN or Inf at Inf, NaN and the largest finite value. Half of it is the largest update
+    round-to-nearest can drop at a weight on the BF16 grid."""
     b = x.to(torch.bfloat16)
     up = (b.view(torch.int16) + 1).view(torch.bfloat16).float().abs()  # next magnitude up (sign kept)
-    return (up - b.float().abs()) / 2
+    return up - b.float().abs()
 
 
 def dead_zone_counts(before: torch.Tensor, after: torch.Tensor) -> tuple[int, int]:
     """(updates smaller than half the BF16 spacing at ``before``, non-zero updates), finite ones only."""
     step = (after.float() - before.float()).view(-1)
-    half = bf16_half_spacing(before.float()).view(-1)
+    half = bf16_spacing(before.float()).view(-1) / 2
     moved = (step != 0) & torch.isfinite(step) & torch.isfinite(half)
     return int((moved & (step.abs() < half)).sum()), int(moved.sum())

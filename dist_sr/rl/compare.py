@@ -283,6 +283,7 @@ def _summarize_runs(cfg: CompareConfig, starts: dict[int, list[list[dict]]]) -> 
                   for seeds in starts.values() for rows in seeds]
     dead = [[r["dead_zone_frac"] for r in rows if r.get("dead_zone_frac") is not None]
             for seeds in starts.values() for rows in seeds]
+    final = _spread([[a[steps[-1]] for a in runs] for runs in accs.values()])
     return {
         "steps": steps,
         "mean_accuracy": mean_acc,
@@ -298,8 +299,8 @@ def _summarize_runs(cfg: CompareConfig, starts: dict[int, list[list[dict]]]) -> 
         "final_reward": _mean([_mean([r["reward"] for r in rows[-10:]]) for rows in train_rows]),
         "changed_frac": _mean([_mean([r["changed_frac"] for r in rows]) for rows in train_rows]),
         "dead_zone_frac": _mean([_mean(d) for d in dead]) if all(dead) else None,
-        "seed_spread_final": _spread([[a[steps[-1]] for a in runs] for runs in accs.values()])[2],
-        "start_spread_final": _spread([[a[steps[-1]] for a in runs] for runs in accs.values()])[1],
+        "seed_spread_final": final[2],
+        "start_spread_final": final[1],
     }
 
 
@@ -309,6 +310,13 @@ def summarize(cfg: CompareConfig) -> dict[str, Any]:
 
 def _lrs(cfg: CompareConfig) -> list[float | None]:
     return [float(lr) for lr in cfg.lrs] or [None]
+
+
+def _gain_ratio(cfg: CompareConfig, summary: dict, lr: float | None, step: int) -> float | None:
+    """The bf16 (RTN) run's mean accuracy gain at ``step`` over the reference's; None without a
+    bf16 run or when the reference gains nothing."""
+    rtn, ref = summary.get(label("bf16", lr)), summary[label(cfg.reference, lr)]
+    return rtn["gain_at"][step] / ref["gain_at"][step] if rtn and ref["gain_at"][step] > 0 else None
 
 
 def goal_checks(cfg: CompareConfig, summary: dict, lr: float | None = None) -> list[tuple[str, bool, str]]:
@@ -398,8 +406,7 @@ def _sweep_table(cfg: CompareConfig, summary: dict) -> list[str]:
              "|---:|---:|---:|" + "---:|" * (len(names) + len(rs) + 1)]
     for lr in _lrs(cfg):
         rtn, ref = summary.get(label("bf16", lr)), summary[label(cfg.reference, lr)]
-        gains = [(_fmt(rtn["gain_at"][s] / ref["gain_at"][s], 2) + "x") if rtn and ref["gain_at"][s] > 0 else "—"
-                 for s in rs]
+        gains = ["—" if r is None else f"{r:.2f}x" for r in (_gain_ratio(cfg, summary, lr, s) for s in rs)]
         h_rtn, h_sr = (rtn or {}).get("mean_steps_to_threshold"), ref["mean_steps_to_threshold"]
         if not rtn or not h_sr:
             steps = "—"
@@ -485,16 +492,16 @@ def _plot(cfg: CompareConfig, summary: dict, path: Path) -> None:
         rows = runs[0]
         changed = [(r["step"], r["changed_frac"]) for r in rows if r.get("changed_frac") is not None]
         top[3].plot([s for s, _ in changed], [c for _, c in changed], label=cell.label)
-        curves = [_eval_curve(rows, "eval_accuracy") for rows in runs]
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        bottom[3].plot(steps, [_mean([c[s] - c[steps[0]] for c in curves]) for s in steps], label=cell.label)
+        acc = summary[cell.label]["mean_accuracy"]
+        bottom[3].plot(list(acc), [a - acc[min(acc)] for a in acc.values()], label=cell.label)
         for ax, w in zip(bottom, starts):
             curves = [_eval_curve(rows, "eval_accuracy") for rows in data[cell.label][w]]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             ax.plot(steps, [_mean([c[s] for c in curves]) for s in steps], label=cell.label)
-            ref = summary[label(cfg.reference, cells(cfg)[0].lr)]["per_start"][w]["start_accuracy"]
-            ax.set(title=f"start checkpoint {w} (warm-up seed {w}; {cfg.reference} acc @0 {ref:.3f})",
-                   xlabel="GRPO step", ylabel="eval accuracy (mean over seeds)")
+    for ax, w in zip(bottom, starts):
+        ref = summary[label(cfg.reference, cells(cfg)[0].lr)]["per_start"][w]["start_accuracy"]
+        ax.set(title=f"start checkpoint {w} (warm-up seed {w}; {cfg.reference} acc @0 {ref:.3f})",
+               xlabel="GRPO step", ylabel="eval accuracy (mean over seeds)")
     for ax in bottom[len(starts):3]:
         ax.axis("off")
     bottom[3].set(title="accuracy gain since step 0 (mean of every run)", xlabel="GRPO step",
@@ -522,11 +529,8 @@ def _plot_sweep(cfg: CompareConfig, summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
     rs = [s for s in cfg.report_steps if s in summary[label(cfg.reference, lrs[0])]["gain_at"]]
     for s in rs:
-        ratios = []
-        for lr in lrs:
-            rtn, ref = summary.get(label("bf16", lr)), summary[label(cfg.reference, lr)]
-            ratios.append(rtn["gain_at"][s] / ref["gain_at"][s] if rtn and ref["gain_at"][s] > 0 else float("nan"))
-        axes[0].plot(lrs, ratios, marker="o", label=f"step {s}")
+        ratios = [_gain_ratio(cfg, summary, lr, s) for lr in lrs]
+        axes[0].plot(lrs, [float("nan") if r is None else r for r in ratios], marker="o", label=f"step {s}")
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[0].set(xscale="log", xlim=(min(lrs) / 1.5, max(lrs) * 1.5),  # limits even if every ratio is undefined
                 title=f"accuracy gain of bf16 (RTN) / {cfg.reference}", xlabel="learning rate",

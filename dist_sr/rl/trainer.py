@@ -30,6 +30,7 @@ from ..config import ConfigError
 from ..engines import TrainSettings, init_distributed, training_device
 from ..engines import make_engine as make_training_engine
 from ..optim import ShadowOptimizer
+from ..optim.metrics import bf16_spacing
 from ..rollout import RolloutEngine, make_rollout_engine
 from .config import ExperimentConfig, to_dict
 from .evaluation import evaluate, fixed_examples
@@ -120,8 +121,7 @@ def jitter_shadows_(optimizer: ShadowOptimizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p, s in optimizer.named_shadows():
-            up = (p.data.view(torch.int16) + 1).view(torch.bfloat16).float().abs()  # next value up in magnitude
-            spacing = (up - p.data.float().abs()).nan_to_num(0.0)
+            spacing = bf16_spacing(p.data).nan_to_num(0.0)
             u = torch.rand(s.shape, generator=g) - 0.5
             s.add_(u * 0.999 * spacing * torch.sign(s))
         optimizer.write_working()

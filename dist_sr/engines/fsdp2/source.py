@@ -39,7 +39,6 @@ def sent_sums(module: torch.nn.Module, ctx) -> dict[str, int]:
     return sums
 
 
-
 def reshard_all(module: torch.nn.Module) -> None:
     """Reshard every FSDP2 module in ``module``. A forward without backward leaves FSDP2's root
     (which does not reshard after forward) holding unsharded BF16 parameters; a sharded module is
@@ -47,6 +46,7 @@ def reshard_all(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
 
 class FSDP2Source:
     """FSDP2 with keyed SR: the working weights exist only inside forward, as the all-gather of
