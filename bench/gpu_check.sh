@@ -20,6 +20,7 @@ if [ -n "${GPU_CHECK_QUICK:-}" ]; then
     | grep -v Warning | tee "$out/gpu-optimizer-step.md"
   timeout 45 python3 bench/kernels.py --device cuda --sizes 26 28 --rounds 5 --json "$out/kernels-cuda.json" 2>&1 \
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
+  timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
     tests/numerics/test_digest.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
   exit 0
@@ -30,5 +31,6 @@ timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer
   | grep -v Warning | tee "$out/gpu-optimizer-step.md"
 timeout 70 python3 bench/kernels.py --device cuda --sizes 20 24 26 28 --rounds 7 --json "$out/kernels-cuda.json" 2>&1 \
   | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
+timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
   tests/numerics/test_digest.py 2>&1 | tee "$out/gpu-tests.log" | tail -25

@@ -184,6 +184,57 @@ def test_the_host_table_does_not_grow_with_the_elements():
     assert shapes[10**3] == shapes[10**8] == ((4, count), (count + 1,))
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every torch operator a block runs (allocations and views included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_public_call_is_one_direct_launch_with_raw_addresses():
+    # after a specialization's first (JIT) call, stochastic_round launches the compiled kernel
+    # with raw addresses: no tensor operator at all when out is given, one allocation when not
+    n = 1000
+    x, out = torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
+    with tl_.dry_run() as record:
+        stochastic_round(x, seed=3, step=1, param="m.w", out=out, backend="triton")
+        with _Ops() as given:
+            stochastic_round(x, seed=3, step=2, param="m.w", out=out, backend="triton")
+        with _Ops() as allocated:
+            y = stochastic_round(x, seed=3, step=3, param="m.w", backend="triton")
+    assert record.jit == ["sr_one_kernel"]
+    assert given.ops == [] and allocated.ops == [torch.ops.aten.empty.memory_format]
+    (_, _, _), (_, grid2, args2), (_, grid3, args3) = record.launches
+    key = stream_key(seed=3, step=2, param="m.w")
+    assert args2[:5] == (x.data_ptr(), out.data_ptr(), n, 0, key - ((key >> 63) << 64))
+    assert args3[:2] == (x.data_ptr(), y.data_ptr()) and all(type(a) in (int, bool) for a in args2 + args3)
+    assert grid2 == grid3 == -(-n // tl_.SR_BLOCK)
+
+
+@pytest.mark.parametrize("layout", ["misaligned offset", "misaligned address", "beyond 2^31"])
+def test_each_specialization_compiles_once(layout):
+    # Triton's specialization (16-byte alignment of each pointer, width of each integer) picks
+    # the compiled kernel: a new one is compiled once, then launched directly
+    n = 300
+    x, out = torch.randn(n + 1), torch.empty(n + 1, dtype=torch.bfloat16)
+    offset = {"misaligned offset": 5, "misaligned address": 0, "beyond 2^31": 2**33 + 4}[layout]
+    xs = x[1:] if layout == "misaligned address" else x[:n]
+    with tl_.dry_run() as record:
+        stochastic_round(x[:n], seed=1, step=1, param="w", out=out[:n], backend="triton")
+        for step in (2, 3):
+            stochastic_round(xs, seed=1, step=step, param="w", offset=offset, out=out[:n], backend="triton")
+    assert record.jit == ["sr_one_kernel", "sr_one_kernel"] and len(record.launches) == 3
+    shift = offset % 4 if layout != "beyond 2^31" and layout != "misaligned address" else 0
+    aligned = layout == "beyond 2^31"
+    for _, grid, args in record.launches[1:]:
+        assert args[3] == offset and args[6] is aligned and grid == -(-(n + shift) // tl_.SR_BLOCK)
+
+
 def _count_uploads(monkeypatch):
     calls = []
     real = tl_.upload
@@ -253,6 +304,22 @@ def test_cuda_tensors_use_triton_and_match_the_cpu():
     gpu = stochastic_round(x.cuda(), seed=7, step=3, param="model.w", offset=11)
     cpu = stochastic_round(x, seed=7, step=3, param="model.w", offset=11)
     assert torch.equal(bits16(gpu.cpu()), bits16(cpu))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mode", ["stochastic", "dither", "nearest"])
+def test_cuda_direct_launches_match_the_cpu(mode):
+    # every specialization twice: the first call goes through Triton's JIT, the second is the
+    # direct launch with raw addresses that every later call takes
+    buf = special_values(70001, 11)
+    for shift, offset, shape in [(0, 0, (70000,)), (1, 0, (70000,)), (0, 3, (70000,)), (0, 2**33 + 1, (70000,)),
+                                 (0, 8, (350, 200)), (3, 2**40, (7, 10000))]:
+        x = buf[shift:shift + 70000].view(shape)
+        want = stochastic_round(x, seed=5, step=9, param="m.w", offset=offset, mode=mode, backend="reference")
+        dev = buf.cuda()[shift:shift + 70000].view(shape)
+        for _ in range(2):
+            got = stochastic_round(dev, seed=5, step=9, param="m.w", offset=offset, mode=mode)
+            assert torch.equal(bits16(got.cpu()), bits16(want)), (shift, offset, shape)
 
 
 def _twin_models(device):

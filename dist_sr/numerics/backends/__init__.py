@@ -36,6 +36,7 @@ class Backend(Protocol):
     name: str
     auto_devices: tuple[str, ...]  # device types "auto" may pick this backend for
     device_keys: bool              # can derive keys from a ``DeviceStep`` (steps captured in CUDA graphs)
+    shaped: bool                   # round_one takes contiguous tensors of any shape (else flat views)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run in this process, or None."""
@@ -46,7 +47,8 @@ class Backend(Protocol):
     def round_one(self, x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
                   rows: tuple[int, int] | None) -> None:
         """Flat FP32 ``x`` into flat BF16 ``out`` (element ``j`` at global index ``offset + j``, or
-        a strided shard with ``rows = (row_len, row_stride)``)."""
+        a strided shard with ``rows = (row_len, row_stride)``); contiguous ones of any shape if
+        ``shaped``."""
 
     def round_batch(self, batch: Any, idx: Sequence[int], keys: np.ndarray | None,
                     device_step: DeviceStep | None = None) -> None:
@@ -61,11 +63,15 @@ class Backend(Protocol):
 
 _REGISTRY: dict[str, Backend] = {}
 _warned: set[str] = set()
+# choose()'s answers for CUDA tensors, by the user's choice: on a GPU the choice is made on every
+# public call, and for CUDA it depends on nothing but the registry (cleared when that changes)
+_CUDA_CHOICE: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> None:
     """Add a backend (a new one: one module with one ``Backend`` object, and this call)."""
     _REGISTRY[backend.name] = backend
+    _CUDA_CHOICE.clear()
 
 
 def names() -> tuple[str, ...]:
@@ -74,7 +80,7 @@ def names() -> tuple[str, ...]:
 
 
 def check_name(name: str) -> str:
-    if name not in names():
+    if name != "auto" and name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(names())}")
     return name
 
@@ -85,6 +91,15 @@ def get(name: str) -> Backend:
 
 def choose(name: str, param: str, device: torch.device) -> Backend:
     """The backend that rounds ``param``'s tensors on ``device`` under the user's choice ``name``."""
+    if device.type == "cuda":
+        chosen = _CUDA_CHOICE.get(name)
+        if chosen is None:
+            chosen = _CUDA_CHOICE[name] = _choose(name, param, device)
+        return chosen
+    return _choose(name, param, device)
+
+
+def _choose(name: str, param: str, device: torch.device) -> Backend:
     check_name(name)
     if name != "auto":
         backend = _REGISTRY[name]
@@ -106,7 +121,7 @@ def choose(name: str, param: str, device: torch.device) -> Backend:
         _warned.add(device.type)
         warnings.warn(f"dist_sr: fast {device.type.upper()} rounding kernel unavailable ({'; '.join(reasons)}); using "
                       "the pure-torch reference, which gives the same bits but is ~100x slower", RuntimeWarning,
-                      stacklevel=4)
+                      stacklevel=5)
     return _REGISTRY["reference"]
 
 

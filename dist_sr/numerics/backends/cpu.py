@@ -137,7 +137,7 @@ def loaded() -> ModuleType | None:
 class CPUBackend:
     """Rounds CPU tensors with the compiled kernel: one OpenMP pass, one hash per 4 elements."""
 
-    name, device_keys, auto_devices = "cpu", False, ("cpu",)  # see numerics.backends.Backend
+    name, device_keys, auto_devices, shaped = "cpu", False, ("cpu",), False  # see numerics.backends.Backend
 
     def unavailable(self) -> str | None:
         try:

@@ -16,10 +16,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _launch():
+    """The host-side module (imports Triton): imported on first use, then one global read per call."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        from . import launch
+
+        _LAUNCH = launch
+    return _LAUNCH
+
+
+_LAUNCH = None
+
+
 class TritonBackend:
     """Rounds CUDA tensors with Triton kernels: every piece of a call in one launch."""
 
-    name, device_keys, auto_devices = "triton", True, ("cuda",)  # see numerics.backends.Backend
+    name, device_keys, auto_devices, shaped = "triton", True, ("cuda",), True  # see numerics.backends.Backend
 
     def unavailable(self) -> str | None:
         try:
@@ -34,9 +47,7 @@ class TritonBackend:
         return f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run them on the CPU"
 
     def round_one(self, x, out, key, offset, rows) -> None:
-        from . import launch
-
-        launch.round_one(x, out, key, offset, rows)
+        _launch().round_one(x, out, key, offset, rows)
 
     def round_batch(self, batch, idx, keys, device_step=None) -> None:
         from . import launch

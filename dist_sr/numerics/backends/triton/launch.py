@@ -14,10 +14,11 @@ graph. Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors (the tests
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -60,6 +61,35 @@ def _fp_options() -> dict:
     return {} if interpreting() else FP_OPTIONS
 
 
+def current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+_DIRECT = [True]  # False once this Triton's compiled-kernel launch interface turned out different
+
+
+def run_compiled(kernel, grid: int, device: int, args: Sequence) -> bool:
+    """Launch a kernel Triton compiled, on ``device``'s current stream, with every argument as
+    its signature lists them (pointers as raw addresses, constexprs included). False, with a
+    one-time warning, if this Triton launches compiled kernels differently (the caller then goes
+    through the JIT) or ``device`` is not the current device (the kernel is loaded there)."""
+    if not _DIRECT[0] or device != current_device():
+        return False
+    try:
+        kernel.run(grid, 1, 1, raw_stream(device), kernel.function, kernel.packed_metadata, None, None, None, *args)
+    except Exception as exc:  # another Triton's launcher interface: the JIT path from now on
+        import warnings
+
+        warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning)
+        _DIRECT[0] = False
+        return False
+    return True
+
+
 class Launcher:
     """Launches a Triton kernel with little host work per call.
 
@@ -75,29 +105,24 @@ class Launcher:
         self.fn = fn
         self.names = list(fn.arg_names)
         self.compiled: dict = {}
-        self.direct = True
 
     def __call__(self, grid: int, *args, num_warps: int = 4, **kw) -> None:
-        if interpreting() or not self.direct:
+        if interpreting() or not _DIRECT[0]:
             self.fn[(grid,)](*args, num_warps=num_warps, **kw)
             return
+        device = current_device()
         spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
                      for a in args)
-        key = (spec, num_warps, tuple(sorted(kw.items())))
+        key = (spec, device, num_warps, tuple(sorted(kw.items())))
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[(grid,)](*args, num_warps=num_warps, **kw)
             return
         it = iter(args)
         full = [kw[n] if n in kw else next(it) for n in self.names]
-        try:
-            stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-            kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
-        except Exception as exc:  # another Triton's launcher interface: the JIT path from now on
-            import warnings
-
-            warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning)
-            self.direct = False
+        # raw addresses: the launcher would otherwise call data_ptr() and ask the driver about each
+        full = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full]
+        if not run_compiled(kernel, grid, device, full):
             self.fn[(grid,)](*args, num_warps=num_warps, **kw)
 
 
@@ -185,10 +210,6 @@ def _make_table(fields, ns, g0s, block, aligned, device) -> TensorTable:
     return TensorTable(both[:meta.size], bmap, len(ns), grid)
 
 
-def is_aligned(addresses: Sequence[int], g0s: Sequence[int]) -> bool:
-    return all(a % ALIGN_BYTES == 0 for a in addresses) and all(g % 4 == 0 for g in g0s)
-
-
 def _split_by_alignment(count: int, addresses: Sequence[Sequence[int]],
                         g0s: Sequence[int]) -> list[tuple[bool, list[int]]]:
     """Indices of the aligned pieces and of the others (the second group is usually empty)."""
@@ -234,22 +255,46 @@ class KeyTemplates:
 
 # ---- SR cast -------------------------------------------------------------------------------------
 
+# Compiled one-tensor SR casts by specialization (see ``round_one``).
+_ONE: dict[tuple, object] = {}
+
+
 def round_one(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
               rows: tuple[int, int] | None = None) -> None:
-    """One flat FP32 tensor into a flat BF16 one; ``key`` signed 64-bit or None (nearest)."""
+    """One contiguous FP32 tensor into a contiguous BF16 one of as many elements; ``key`` signed
+    64-bit or None (nearest).
+
+    This is every public ``stochastic_round`` call on a GPU, so its host work is kept to what a
+    torch operator costs: after the first call of a specialization (the launch shape, the
+    device, each pointer's 16-byte alignment, each integer's width: Triton's own rule), the
+    compiled kernel is launched directly with raw addresses, no tensor views and no argument
+    binding."""
     n = x.numel()
     if n == 0:
         return
-    check_device([x, out])
-    xb, ob = x.view(torch.int32), out.view(torch.int16)
     keyed = key is not None
     if rows is not None and keyed:
-        launcher(tk.sr_rows_kernel)(triton_cdiv(n, SR_BLOCK), xb, ob, n, offset, key, rows[0], rows[1], KEYED=True,
-                                    BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+        check_device([x, out])
+        launcher(tk.sr_rows_kernel)(triton_cdiv(n, SR_BLOCK), x.view(torch.int32), out.view(torch.int16), n, offset,
+                                    key, rows[0], rows[1], KEYED=True, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
         return
-    aligned = is_aligned((x.data_ptr(), out.data_ptr()), (offset,))
-    launcher(tk.sr_one_kernel)(triton_cdiv(n + (0 if aligned else offset % 4), SR_BLOCK), xb, ob, n, offset,
-                               key if keyed else 0, KEYED=keyed, ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+    xp, op = x.data_ptr(), out.data_ptr()
+    k = key if keyed else 0
+    x16, o16 = xp % ALIGN_BYTES == 0, op % ALIGN_BYTES == 0
+    aligned = x16 and o16 and offset % 4 == 0
+    block = SR_BLOCK
+    device = x.get_device()
+    spec = (block, SR_WARPS, device, keyed, aligned, x16, o16, n < 1 << 31, offset < 1 << 31, -(1 << 31) <= k < 1 << 31)
+    kernel = _ONE.get(spec)
+    grid = -(-(n if aligned else n + offset % 4) // block)
+    if (kernel is not None and out.get_device() == device and x.is_contiguous() and out.is_contiguous()
+            and run_compiled(kernel, grid, device, (xp, op, n, offset, k, keyed, aligned, block))):
+        return
+    check_device([x, out])
+    compiled = tk.sr_one_kernel[(grid,)](x.view(torch.int32), out.view(torch.int16), n, offset, k, KEYED=keyed,
+                                         ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+    if not interpreting() and _DIRECT[0]:
+        _ONE[spec] = compiled
 
 
 class SRLaunch:
@@ -458,3 +503,77 @@ def scale_tensor(value: float, device: torch.device) -> torch.Tensor:
         t = torch.full((1,), value, dtype=torch.float32, device=device)
         _SCALES[(value, device)] = t
     return t
+
+
+# ---- the host side alone, on a machine without a GPU ---------------------------------------------
+
+@dataclass
+class DryRun:
+    """What ``dry_run`` recorded: each launch as (kernel name, grid, arguments), ``jit`` the ones
+    that went through Triton's JIT (a specialization's first call), the others launched directly."""
+
+    launches: list = field(default_factory=list)
+    jit: list = field(default_factory=list)
+
+
+class _DryKernel:
+    """Stands in for a compiled kernel: ``run`` records the launch."""
+
+    def __init__(self, name: str, record: DryRun):
+        self.name, self.record = name, record
+        self.function = self.packed_metadata = None
+
+    def run(self, grid, _y, _z, _stream, _function, _metadata, _hook_meta, _enter, _exit, *args):
+        self.record.launches.append((self.name, grid, args))
+
+
+class _DryJIT:
+    """Stands in for a ``triton.jit`` function: a launch records itself and returns a ``_DryKernel``."""
+
+    def __init__(self, fn, record: DryRun):
+        self.arg_names, self.name, self.record = fn.arg_names, fn.__name__, record
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=None, **kw):
+            full = args + tuple(kw[n] for n in self.arg_names[len(args):] if n in kw)  # as a direct launch lists them
+            self.record.launches.append((self.name, grid[0], full))
+            self.record.jit.append(self.name)
+            return _DryKernel(self.name, self.record)
+
+        return launch
+
+
+@contextlib.contextmanager
+def dry_run() -> Iterator[DryRun]:
+    """Run the launch path's host side on CPU tensors with every device launch recorded instead
+    of run: what a call costs the host, and which launches it makes with which arguments, measured
+    and tested without a GPU (bench/host_cost.py, tests/numerics/test_triton.py). Everything is
+    as on a GPU (specializations compiled once, then launched directly with raw addresses; cached
+    tables) except that nothing runs on a device; the caches are emptied before and after."""
+    record = DryRun()
+    kernels = {m: {n: getattr(m, n) for n in dir(m) if n.endswith("_kernel")} for m in (tk, triton_keys)}
+    names = ("interpreting", "check_device", "current_device", "raw_stream")
+    g = globals()
+    saved = {n: g[n] for n in names}
+
+    def reset() -> None:
+        _ONE.clear()
+        _LAUNCHERS.clear()
+        TABLES.clear()
+        _SCALES.clear()
+
+    reset()
+    try:
+        for m, fns in kernels.items():
+            for n, fn in fns.items():
+                setattr(m, n, _DryJIT(fn, record))
+        g.update(interpreting=lambda: False, check_device=lambda tensors: tensors[0].device,
+                 current_device=lambda: -1,  # a CPU tensor's get_device()
+                 raw_stream=lambda device: 0)
+        yield record
+    finally:
+        for m, fns in kernels.items():
+            for n, fn in fns.items():
+                setattr(m, n, fn)
+        g.update(saved)
+        reset()
