@@ -147,9 +147,15 @@ class AdamWPlan:
             for b, idx in by_backend.items():
                 backends.get(b).adamw_step(self, idx, grads, hypers, slots, None, grad_scale, device_step)
             return
-        keys = self.keys(seed, step, mode)
+        keys = None
         for b, idx in by_backend.items():
-            backends.get(b).adamw_step(self, idx, grads, hypers, slots, keys, grad_scale)
+            backend = backends.get(b)
+            if mode != "nearest" and backend.device_keys:  # hashed on the device: no per-name host work
+                backend.adamw_step(self, idx, grads, hypers, slots, backends.KeyStep(seed, step, mode), grad_scale)
+                continue
+            if keys is None:
+                keys = self.keys(seed, step, mode)
+            backend.adamw_step(self, idx, grads, hypers, slots, keys, grad_scale)
 
     def groups(self, idx, hypers, slots, grad_scale) -> dict[tuple, list[int]]:
         """Pieces ``idx`` by (pure, BF16 moments, gradient scale or None for ``grad_scale``): one

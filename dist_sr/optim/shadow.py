@@ -354,8 +354,8 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
         state = self.inner.state
         capturable = self._counter.capturable
         if self._plan is not None:  # the usual step: same moments, same working storage
-            same = all(st is state.get(sh) and st["exp_avg"] is m and st["exp_avg_sq"] is v
-                       for sh, st, m, v in self._plan_moments)
+            same = all(st is state.get(sh) and st["exp_avg"] is m and st["exp_avg_sq"] is v and st["step"] is t
+                       for sh, st, m, v, t in self._plan_moments)
             if not same or [p.data_ptr() for _, p, _ in self._pairs] != self._plan_addresses:
                 self._plan = None
         if self._plan is None:
@@ -370,8 +370,14 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
             self._plan = AdamWPlan([AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data)
                                     for n, p, s in self._pairs], backend=self.backend)
             self._plan_addresses = [p.data_ptr() for _, p, _ in self._pairs]
-            self._plan_moments = [(s, state[s], state[s]["exp_avg"], state[s]["exp_avg_sq"]) for _, _, s in self._pairs]
             self._adam_steps = [int(state[s]["step"]) for _, _, s in self._pairs]  # once per rebuild, not per step
+            if not capturable:
+                # torch.optim.AdamW's per-parameter step tensors, as 0-dim views of one buffer: a step
+                # advances them all in one operation (a foreach add over 290 CPU scalars costs ~0.3 ms);
+                # state_dict() hands out copies
+                self._step_buffer = torch.tensor(self._adam_steps, dtype=torch.float32)
+                for i, (_, _, s) in enumerate(self._pairs):
+                    state[s]["step"] = self._step_buffer[i]
             if capturable:
                 if set(self._adam_steps) - {self.step_count}:
                     raise ValueError("ShadowAdamW(capturable=True) steps every parameter together: the loaded Adam "
@@ -379,7 +385,16 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                 for _, _, s in self._pairs:  # capturable: Adam's step lives beside the state, on the device
                     state[s]["step"] = state[s]["step"].to(s.device)
                 self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
+            self._plan_moments = [(s, state[s], state[s]["exp_avg"], state[s]["exp_avg_sq"], state[s]["step"])
+                                  for _, _, s in self._pairs]
         return self._plan
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        inner = sd["inner"]  # each step tensor its own, as torch.optim.AdamW keeps them (here views of one buffer)
+        inner["state"] = {k: {**st, "step": st["step"].clone()} if isinstance(st.get("step"), torch.Tensor) else st
+                          for k, st in inner["state"].items()}
+        return sd
 
     @property
     def _fused_groups(self) -> list[dict]:
@@ -397,6 +412,8 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
         if self._counter.capturable:
             torch._foreach_add_(self._device_steps, 1.0)
             return
-        stepped = [self.inner.state[s]["step"] for (_, _, s), g in zip(self._pairs, grads) if g is not None]
-        if stepped:
-            torch._foreach_add_(stepped, 1.0)
+        live = [i for i, g in enumerate(grads) if g is not None]
+        if len(live) == len(grads):
+            self._step_buffer.add_(1.0)
+        elif live:
+            self._step_buffer[live] += 1.0

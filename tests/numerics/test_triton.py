@@ -148,6 +148,28 @@ def test_fused_adamw_plan_equals_the_reference(device, flavour, grad_dtype, mode
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["stochastic", "dither"])
+def test_fused_keys_derived_on_the_device_at_the_steps_range_ends(device, mode):
+    # the Triton backend derives a step's keys on the device from the uploaded step: the same
+    # keys as the host's stream_keys at every step a key may have, 0 and 2^64 - 1 included
+    sizes, offsets = [700, 5, 64], [0, 3, 2**40]
+    cases = [fused_case(n, i, True, True, torch.bfloat16, device) for i, n in enumerate(sizes)]
+    want = [[None if t is None else t.detach().cpu().clone() for t in c] for c in cases]
+    h = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+    plan = AdamWPlan([AdamWPiece(f"m.p{i}", c[0], c[1], c[2], None, off) for i, (c, off) in enumerate(zip(cases, offsets))],
+                     backend="triton")
+    for step in (0, 2**63 - 1, 2**63, 2**64 - 1):
+        plan.step_([c[3] for c in cases], [h] * len(sizes), seed=2**64 - 3, step=step, mode=mode)
+        for i, (w, off) in enumerate(zip(want, offsets)):
+            keys = [stream_key(seed=2**64 - 3, step=step, param=n, mode=mode)
+                    for n in (f"m.p{i}", moment_param(f"m.p{i}", "exp_avg"), moment_param(f"m.p{i}", "exp_avg_sq"))]
+            adamw_reference_(w[0], w[1], w[2], w[3], None, keys[0], off, h, (keys[1], keys[2]))
+        for c, w in zip(cases, want):
+            for got, exp in zip(c[:3], w[:3]):
+                assert torch.equal(as_bits(got), as_bits(exp)), step
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fused_adamw_on_misaligned_views_and_a_device_grad_scale(device):
     n, k = 5000, 3
     buf = [torch.randn(n + k, generator=torch.Generator().manual_seed(i)) for i in range(3)]

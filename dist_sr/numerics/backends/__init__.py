@@ -29,6 +29,17 @@ class DeviceStep:
     mode: str
 
 
+@dataclass(frozen=True)
+class KeyStep:
+    """The key of a host-known step, for a backend that derives keys on the device
+    (``device_keys``): instead of hashing every name on the host each step, it uploads the step
+    with the step's other data and derives the keys there (the bits of ``key.stream_keys``)."""
+
+    seed: int
+    step: int
+    mode: str
+
+
 class Backend(Protocol):
     """What a rounding backend provides. ``keys`` are stream keys as signed 64-bit values (an int,
     or an int64 array with one entry per piece), ``None`` meaning round-to-nearest-even."""
@@ -58,7 +69,9 @@ class Backend(Protocol):
     def adamw_step(self, plan: Any, idx: Sequence[int], grads: Sequence[torch.Tensor], hypers: Sequence[Any],
                    slots: Sequence[int], keys: np.ndarray | None, grad_scale: torch.Tensor | None,
                    device_step: DeviceStep | None = None) -> None:
-        """One fused AdamW step on pieces ``idx`` of a ``fused.AdamWPlan``."""
+        """One fused AdamW step on pieces ``idx`` of a ``fused.AdamWPlan``. ``keys``: int64
+        ``[3, T]`` (each piece's key, then its moments'), None for nearest, or (only to a backend
+        with ``device_keys``) a ``KeyStep`` to derive them from."""
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ...adamw import constants
+from .. import KeyStep
 
 
 def interpreting() -> bool:
@@ -93,8 +94,12 @@ class TritonBackend:
                 cached([grads[i] for i in sel], None, [row[slots[i]] for i in sel], None, scale_t,
                        device_step=device_step, hyper=hyper)
                 continue
+            consts = np.asarray([constants(hypers[s]) for s in used], dtype=np.float32)
+            if isinstance(keys, KeyStep):
+                cached([grads[i] for i in sel], None, [row[slots[i]] for i in sel], consts, scale_t, key_step=keys)
+                continue
             cached([grads[i] for i in sel], None if keys is None else keys[:, sel], [row[slots[i]] for i in sel],
-                   np.asarray([constants(hypers[s]) for s in used], dtype=np.float32), scale_t)
+                   consts, scale_t)
 
 
 BACKEND = TritonBackend()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ...key import STEP_BYTE, key_message
-from .. import DeviceStep
+from .. import DeviceStep, KeyStep
 from . import interpreting
 from . import kernels as tk
 from . import keys as triton_keys
@@ -414,7 +414,7 @@ class AdamWLaunch:
 
     def __call__(self, grads: Sequence[torch.Tensor], keys: np.ndarray | None, slots: Sequence[int],
                  consts: np.ndarray, scale: torch.Tensor, device_step: DeviceStep | None = None,
-                 hyper: np.ndarray | None = None) -> None:
+                 hyper: np.ndarray | None = None, key_step: KeyStep | None = None) -> None:
         """``grads``: flat, one per tensor given at construction; ``keys``: int64 ``[3, T]``
         (param, exp_avg, exp_avg_sq keys) or None for nearest; ``slots``: each tensor's row of
         ``consts`` (float32 ``[S, 8]``, ``triton_kernels.ADAMW_CONSTS``); ``scale``: a one-element
@@ -422,7 +422,10 @@ class AdamWLaunch:
 
         With ``device_step``, keys and constants of step ``counter + 1`` are derived on the
         device instead (``hyper``: float64 ``[S, 5]`` = lr, beta1, beta2, eps, weight decay;
-        ``keys`` and ``consts`` are ignored), so the step replays correctly from a CUDA graph."""
+        ``keys`` and ``consts`` are ignored), so the step replays correctly from a CUDA graph.
+        With ``key_step`` the keys of that (seed, step, mode) are derived on the device from the
+        step, uploaded with the gradient addresses and constants (``keys`` is ignored): no
+        per-name hashing on the host."""
         if not self.live:
             return
         live = self.live
@@ -436,7 +439,7 @@ class AdamWLaunch:
             bf16.append(g.dtype == torch.bfloat16)
             ok.append(self._static_aligned[k] and a % ALIGN_BYTES == 0)
         consts = np.ascontiguousarray(consts if consts is not None else np.zeros(8), dtype=np.float32).reshape(-1, 8)
-        keyed = keys is not None
+        keyed = keys is not None or key_step is not None
         everything = list(range(len(live)))
         if all(ok) and (all(bf16) or not any(bf16)):  # the usual case: one launch
             groups = [(True, bf16[0], everything)]
@@ -460,6 +463,18 @@ class AdamWLaunch:
                 self._templates_for(aligned, rows, device_step).run(
                     device_step.counter, key_dev, step[2 * t:].view(torch.float64), const_dev, hyper64.shape[0])
                 keyed = True
+            elif key_step is not None:
+                # the step before (the key kernel derives the keys of counter + 1), as int64 bits
+                counter = (key_step.step - 1) % (1 << 64)
+                counter -= (counter >> 63) << 64
+                step = upload(np.concatenate([np.asarray([counter], np.int64), step_rows,
+                                              consts.view(np.int64).reshape(-1)]), self.device)
+                lanes = 3 if self.moment_bf16 else 1  # FP32 moments are not rounded: the parameters' keys only
+                key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
+                self._templates_for(aligned, rows, DeviceStep(step, key_step.seed, key_step.mode), lanes).run(
+                    step[:1], key_dev)
+                step = step[1:]
+                const_dev = step[2 * t:].view(torch.float32)
             else:
                 key_rows = keys[:, rows] if keyed else np.zeros((3, t), dtype=np.int64)
                 step = upload(np.concatenate([key_rows.astype(np.int64).reshape(-1), step_rows,
@@ -481,14 +496,14 @@ class AdamWLaunch:
             cached = self._uploaded[group] = (content, upload(array, self.device))
         return cached[1]
 
-    def _templates_for(self, aligned: bool, rows: list[int], step: DeviceStep) -> KeyTemplates:
-        key = (aligned, tuple(rows))
+    def _templates_for(self, aligned: bool, rows: list[int], step: DeviceStep, kinds: int = 3) -> KeyTemplates:
+        key = (aligned, tuple(rows), step.seed, step.mode, kinds)
         tmpl = self._templates.get(key)
         if tmpl is None:
             if self.names is None:
                 raise ValueError("keys derived on the device need the tensors' names (AdamWLaunch(names=...))")
             # lanes: the params' names, then their moments' (the kernel reads keys[3, T])
-            lanes = [self.names[r][i] for r in range(3) for i in rows]
+            lanes = [self.names[r][i] for r in range(kinds) for i in rows]
             tmpl = self._templates[key] = KeyTemplates(lanes, step.seed, step.mode, self.device)
         return tmpl
 
