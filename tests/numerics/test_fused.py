@@ -90,9 +90,22 @@ def test_shadow_adamw_tracks_shadow_optimizer_and_shares_its_checkpoints():
     # a ShadowAdamW checkpoint loads into a ShadowOptimizer(AdamW) and re-derives the same weights
     c, _ = twin_models()
     restored = ShadowOptimizer(c.named_parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.01, seed=3)
-    restored.load_state_dict(fused.state_dict())
+    state = fused.state_dict()
+    restored.load_state_dict(state)
     for pa, pc in zip(a.parameters(), c.parameters()):
         assert torch.equal(bits16(pa.data), bits16(pc.data))
+    # Adam's per-parameter steps: current, and each its own tensor as torch.optim.AdamW keeps them
+    steps = [st["step"] for st in state["inner"]["state"].values()]
+    assert [float(t) for t in steps] == [5.0] * len(steps)
+    assert len({t.untyped_storage().data_ptr() for t in steps}) == len(steps)
+    # a step where one parameter has no gradient advances the others' steps only
+    fused.zero_grad()
+    a(x).float().pow(2).mean().backward()
+    first = next(a.parameters())
+    first.grad = None
+    fused.step()
+    steps = [float(st["step"]) for st in fused.state_dict()["inner"]["state"].values()]
+    assert steps == [5.0] + [6.0] * (len(steps) - 1)
 
 
 def test_shadow_adamw_clipping_scales_the_update_like_clipping_the_shadow_gradients():
