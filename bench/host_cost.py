@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.optimizer_step import qwen05b_shapes, scaled  # noqa: E402
 from dist_sr import AdamWSR, ShadowAdamW  # noqa: E402
-from dist_sr.numerics import stochastic_round  # noqa: E402
+from dist_sr.numerics import RoundingBatch, RoundingJob, stochastic_round  # noqa: E402
 from dist_sr.numerics.backends.triton import launch  # noqa: E402
 
 
@@ -110,6 +110,13 @@ def step_rows(device: str, steps: int) -> dict[str, float]:
     for name, build in builds.items():
         opt = build()
         rows[name] = per_call_us(opt.step, steps, device)
+    # ShadowOptimizer's own part of a step (the inner torch optimizer's is torch's): the rounding
+    jobs = [RoundingJob(n, torch.randn(s, device=device), torch.empty(s, dtype=torch.bfloat16, device=device))
+            for n, s in shapes]
+    batch = RoundingBatch(jobs, backend="triton")
+    counter = itertools.count(1)
+    rows["RoundingBatch.run, ShadowOptimizer's rounding (290 tensors)"] = per_call_us(
+        lambda: batch.run(seed=1, step=next(counter)), steps, device)
     if device == "cuda":
         ps = params()
         torch_opt = torch.optim.AdamW([p for _, p in ps], lr=1e-5, fused=True)

@@ -71,7 +71,7 @@ def stream_key(*, seed: int, step: int, param: str, mode: str = "stochastic") ->
 
 def key_message(param: str, *, seed: int, step: int, mode: str = "stochastic") -> bytes:
     """The bytes BLAKE2b-64 hashes into the stream key (``step`` ignored by ``dither``)."""
-    _check_seed_step(seed, step)
+    check_seed_step(seed, step)
     return _key_prefix(seed, step, mode) + _name_bytes(param)
 
 
@@ -87,7 +87,7 @@ def stream_keys(params: Sequence[str], *, seed: int, step: int, mode: str = "sto
     """``stream_key`` of many parameters at one (seed, step, mode), as an int64 array (the keys'
     bits read as signed: what kernels take). One pass of BLAKE2b per name, names normalised once
     per process: the host cost of a step's keys is about 0.4 us per parameter."""
-    _check_seed_step(seed, step)
+    check_seed_step(seed, step)
     prefix = _key_prefix(seed, step, mode)
     digests = b"".join(hashlib.blake2b(prefix + _name_bytes(p), digest_size=8).digest() for p in params)
     return np.frombuffer(digests, dtype="<i8").astype(np.int64)
@@ -103,7 +103,7 @@ def signed64(key: int) -> int:
     return key - (1 << 64) if key >= 1 << 63 else key
 
 
-def _check_seed_step(seed: int, step: int) -> None:
+def check_seed_step(seed: int, step: int) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MASK64:
         raise ValueError(f"seed must be an int in [0, 2^64), got {seed!r}")
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MASK64:

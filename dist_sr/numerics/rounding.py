@@ -150,9 +150,15 @@ class RoundingBatch:
             return
         if not self._contiguous_x or self._addresses() != self._seen:
             self._prepare()  # a non-contiguous input is copied afresh; a replaced storage is re-read
-        keys = stream_keys(self.names, seed=seed, step=step, mode=mode) if mode != "nearest" else None
+        keys = None
         for name, idx in self._by_backend.items():
-            backends.get(name).round_batch(self, idx, keys)
+            backend = backends.get(name)
+            if mode != "nearest" and backend.device_keys:  # hashed on the device: no per-name host work
+                backend.round_batch(self, idx, backends.KeyStep(seed, step, mode))
+                continue
+            if keys is None and mode != "nearest":
+                keys = stream_keys(self.names, seed=seed, step=step, mode=mode)
+            backend.round_batch(self, idx, keys)
         for out, dst in self._copy_back:
             out.copy_(dst)
 

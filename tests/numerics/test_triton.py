@@ -94,6 +94,25 @@ def test_many_tensors_in_one_call_equal_the_reference(device, mode, layout):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pieces", ["one", "two and a strided shard"])
+def test_a_batch_derives_each_steps_keys_like_the_host(device, pieces):
+    # a RoundingBatch on the Triton backend derives keys on the device from the step (one piece:
+    # one host hash as a kernel argument; a strided shard: its own launch), at the range's ends too
+    w = special_values(40 * 30, 7).view(40, 30)
+    xs = [special_values(1000, 8)] + ([special_values(77, 9), w[:, 10:20].contiguous()] if pieces != "one" else [])
+    rows = [None, None, (10, 30)]
+    offsets = [5, 2**35, 10]
+    jobs = [RoundingJob(f"b.p{i}", x.to(device), torch.empty(x.shape, dtype=torch.bfloat16, device=device), offsets[i],
+                        None if rows[i] is None else rows[i][1]) for i, x in enumerate(xs)]
+    batch = RoundingBatch(jobs, backend="triton")
+    for step in (1, 2**63, 2**64 - 1):
+        batch.run(seed=4, step=step)
+        for i, (x, job) in enumerate(zip(xs, jobs)):
+            key = stream_key(seed=4, step=step, param=f"b.p{i}")
+            assert torch.equal(bits16(job.out.cpu()).view(-1), ref_bits(x, key, offsets[i], rows[i])), (i, step)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_column_shard_equals_the_full_parameter_rounding(device):
     w = special_values(37 * 50, 3).view(37, 50)
     full = stochastic_round(w, seed=2, step=5, param="m.w", backend="reference")

@@ -17,6 +17,8 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from ..key import check_seed_step
+
 
 @dataclass
 class DeviceStep:
@@ -38,6 +40,17 @@ class KeyStep:
     seed: int
     step: int
     mode: str
+
+    def __post_init__(self):
+        check_seed_step(self.seed, self.step)
+        if self.mode not in ("stochastic", "dither"):
+            raise ValueError(f"mode {self.mode!r} has no keys; keyed modes are 'stochastic' and 'dither'")
+
+    def counter(self) -> int:
+        """The step before, as the signed 64-bit value a device counter holds (the key kernel
+        derives the keys of ``counter + 1``)."""
+        before = (self.step - 1) % (1 << 64)
+        return before - ((before >> 63) << 64)
 
 
 class Backend(Protocol):
@@ -64,7 +77,9 @@ class Backend(Protocol):
     def round_batch(self, batch: Any, idx: Sequence[int], keys: np.ndarray | None,
                     device_step: DeviceStep | None = None) -> None:
         """Pieces ``idx`` of a ``rounding.RoundingBatch`` (its ``xs``, ``outs``, ``offsets``,
-        ``rows``, ``names``; ``launches`` is the backend's cache on the batch)."""
+        ``rows``, ``names``; ``launches`` is the backend's cache on the batch). ``keys``: one per
+        piece of the batch, None for nearest, or (only to a backend with ``device_keys``) a
+        ``KeyStep`` to derive them from."""
 
     def adamw_step(self, plan: Any, idx: Sequence[int], grads: Sequence[torch.Tensor], hypers: Sequence[Any],
                    slots: Sequence[int], keys: np.ndarray | None, grad_scale: torch.Tensor | None,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ...adamw import constants
+from ...key import stream_key
 from .. import KeyStep
 
 
@@ -55,8 +56,13 @@ class TritonBackend:
 
         flat = []
         for i in idx:
-            if batch.rows[i] is not None and keys is not None:
-                launch.round_one(batch.xs[i], batch.outs[i], int(keys[i]), batch.offsets[i], batch.rows[i])
+            if batch.rows[i] is not None and keys is not None:  # a strided shard: its own launch
+                if isinstance(keys, KeyStep):
+                    key = stream_key(seed=keys.seed, step=keys.step, param=batch.names[i], mode=keys.mode)
+                    key -= (key >> 63) << 64
+                else:
+                    key = int(keys[i])
+                launch.round_one(batch.xs[i], batch.outs[i], key, batch.offsets[i], batch.rows[i])
             else:
                 flat.append(i)
         if not flat:
@@ -68,6 +74,8 @@ class TritonBackend:
             batch.launches[("triton", tuple(flat))] = cached
         if device_step is not None:
             cached(None, device_step, [batch.names[i] for i in flat])
+        elif isinstance(keys, KeyStep):
+            cached(None, names=[batch.names[i] for i in flat], key_step=keys)
         else:
             cached(None if keys is None else keys[flat])
 

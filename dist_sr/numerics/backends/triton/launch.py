@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ...key import STEP_BYTE, key_message
+from ...key import STEP_BYTE, key_message, stream_key
 from .. import DeviceStep, KeyStep
 from . import interpreting
 from . import kernels as tk
@@ -324,15 +324,28 @@ class SRLaunch:
             self.groups.append((aligned, [self.live[i] for i in idx], table))
 
     def __call__(self, keys: np.ndarray | None, device_step: DeviceStep | None = None,
-                 names: Sequence[str] | None = None) -> None:
+                 names: Sequence[str] | None = None, key_step: KeyStep | None = None) -> None:
         """``keys``: int64 stream keys, one per tensor given at construction; None: nearest.
-        With ``device_step`` (and the tensors' ``names``) the keys are derived on the device."""
+        With ``device_step`` (and the tensors' ``names``) the keys are derived on the device; with
+        ``key_step`` (and ``names``) too, from that step, uploaded (``keys`` is then ignored)."""
         if device_step is not None:
             self._run_device(device_step, names)
             return
         if self.single is not None:
             x, out, offset, i = self.single
+            if key_step is not None:  # one key: one hash here, passed as a kernel argument
+                key = stream_key(seed=key_step.seed, step=key_step.step, param=names[i], mode=key_step.mode)
+                round_one(x, out, key - ((key >> 63) << 64), offset)
+                return
             round_one(x, out, None if keys is None else int(keys[i]), offset)
+            return
+        if key_step is not None:
+            counter = upload(np.asarray([key_step.counter()], dtype=np.int64), self.device)
+            for aligned, rows, table in self.groups:
+                key_dev = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+                self._key_templates(rows, names, key_step.seed, key_step.mode).run(counter, key_dev)
+                launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, key_dev, table.count, KEYED=True,
+                                            ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
             return
         keyed = keys is not None
         for aligned, rows, table in self.groups:
@@ -340,6 +353,14 @@ class SRLaunch:
             launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, key_dev, table.count, KEYED=keyed,
                                         ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
 
+
+    def _key_templates(self, rows: list[int], names: Sequence[str], seed: int, mode: str) -> KeyTemplates:
+        cache = self.__dict__.setdefault("_eager_templates", {})
+        key = (tuple(rows), seed, mode)
+        tmpl = cache.get(key)
+        if tmpl is None:
+            tmpl = cache[key] = KeyTemplates([names[r] for r in rows], seed, mode, self.device)
+        return tmpl
 
     def _run_device(self, step: DeviceStep, names: Sequence[str]) -> None:
         if self.single is not None:  # one table like any other, so the key stays on the device
@@ -464,10 +485,7 @@ class AdamWLaunch:
                     device_step.counter, key_dev, step[2 * t:].view(torch.float64), const_dev, hyper64.shape[0])
                 keyed = True
             elif key_step is not None:
-                # the step before (the key kernel derives the keys of counter + 1), as int64 bits
-                counter = (key_step.step - 1) % (1 << 64)
-                counter -= (counter >> 63) << 64
-                step = upload(np.concatenate([np.asarray([counter], np.int64), step_rows,
+                step = upload(np.concatenate([np.asarray([key_step.counter()], np.int64), step_rows,
                                               consts.view(np.int64).reshape(-1)]), self.device)
                 lanes = 3 if self.moment_bf16 else 1  # FP32 moments are not rounded: the parameters' keys only
                 key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
