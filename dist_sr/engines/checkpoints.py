@@ -4,12 +4,15 @@ content digests checked on load (a manifest of file hashes, or a digest of the w
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
+
+from .. import secret
 
 KEEP_CHECKPOINTS = 2  # step directories kept under <run>/deepspeed/ and <run>/fsdp2/
 
@@ -43,20 +46,64 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
+# The key that signs manifests: its own secret if set, else the job's weight-sync secret (which
+# every trainer process of a rendered job holds, and engines, whose volume mount is read-only).
+KEY_ENV = "DIST_SR_CHECKPOINT_SECRET"
+SYNC_KEY_ENV = "DIST_SR_SYNC_SECRET"
+
+
+def manifest_key(env=None) -> bytes | None:
+    """The key of ``MANIFEST.json``'s HMAC (``DIST_SR_CHECKPOINT_SECRET``/``_FILE``, else
+    ``DIST_SR_SYNC_SECRET``/``_FILE``), or None: then manifests carry SHA-256s only, which catch
+    corruption but not a writer who rewrites the manifest too."""
+    for name, what in ((KEY_ENV, "checkpoint secret"), (SYNC_KEY_ENV, "sync secret")):
+        found = secret.read(name, what=what, env=env)
+        if found is not None:
+            return found[0]
+    return None
+
+
+def _manifest_mac(key: bytes, files: dict[str, str]) -> str:
+    body = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, b"dist-sr checkpoint manifest\n" + body, hashlib.sha256).hexdigest()
+
+
+def write_manifest(directory: Path, key: bytes | None = None) -> None:
     """``MANIFEST.json``: the SHA-256 of every file under ``directory`` (written last, atomically:
-    a checkpoint without one did not finish)."""
+    a checkpoint without one did not finish), signed with ``key`` (default ``manifest_key()``)
+    when there is one."""
+    key = manifest_key() if key is None else key
     files = {str(p.relative_to(directory)): _sha256(p) for p in sorted(directory.rglob("*"))
              if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp")}
-    write_atomic(directory / MANIFEST, json.dumps({"sha256": files}, indent=1))
+    manifest = {"sha256": files}
+    if key is not None:
+        manifest["hmac_sha256"] = _manifest_mac(key, files)
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1))
 
 
-def verify_manifest(directory: Path) -> None:
-    """Raise ``CheckpointCorrupt`` naming every file that is missing, extra or changed."""
+def verify_manifest(directory: Path, key: bytes | None = None) -> None:
+    """Raise ``CheckpointCorrupt`` naming every file that is missing, extra or changed, or a
+    manifest this job did not sign. With a key (default ``manifest_key()``) the manifest must
+    carry its HMAC, so a process without the secret cannot make the libraries that read these
+    files (PyTorch DCP, DeepSpeed, which unpickle some of them) load files of its own."""
+    key = manifest_key() if key is None else key
     path = directory / MANIFEST
     if not path.exists():
         raise CheckpointCorrupt(f"{directory}: no {MANIFEST} (the checkpoint's write did not finish)")
-    want = json.loads(path.read_text())["sha256"]
+    manifest = json.loads(path.read_text())
+    want = manifest["sha256"]
+    mac = manifest.get("hmac_sha256")
+    if key is not None and mac is None:
+        raise CheckpointCorrupt(f"{directory}: {MANIFEST} is not signed, but this job signs its checkpoints "
+                                f"({KEY_ENV} or {SYNC_KEY_ENV} is set): it was written by another process or by "
+                                "a run without the secret; resume it only by unsetting both, if you trust its files")
+    if key is None and mac is not None:
+        raise CheckpointCorrupt(f"{directory}: {MANIFEST} is signed, but this process has no key to check it: set "
+                                f"{KEY_ENV} (or {SYNC_KEY_ENV}) to the secret the run was written with")
+    if key is not None and not hmac.compare_digest(mac, _manifest_mac(key, want)):
+        raise CheckpointCorrupt(f"{directory}: {MANIFEST}'s signature does not match this job's secret: written by "
+                                f"another process, or with another {KEY_ENV}/{SYNC_KEY_ENV}; set the one it was "
+                                "written with")
     have = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
     bad = sorted(set(want) ^ have) + sorted(n for n in set(want) & have if _sha256(directory / n) != want[n])
     if bad:

@@ -27,9 +27,12 @@ import secrets
 import threading
 import time
 
+from .. import secret
+
 ENV = "DIST_SR_SYNC_SECRET"
 ENV_FILE = "DIST_SR_SYNC_SECRET_FILE"
-MIN_BYTES = 16                  # shortest secret accepted
+MIN_BYTES = secret.MIN_BYTES    # shortest secret accepted
+SecretMissing = secret.SecretMissing  # this process has no sync secret but needs one
 WINDOW_S = 300.0                # a signed request is valid this long either side of the receiver's clock
 MAX_BODY_BYTES = 64 * 2**20     # control bodies (a plan is ~100 bytes per tensor)
 HEADER_TIME, HEADER_NONCE, HEADER_SIG = "X-Dist-SR-Time", "X-Dist-SR-Nonce", "X-Dist-SR-Signature"
@@ -39,10 +42,6 @@ class AuthError(PermissionError):
     """A control request or payload without a valid signature (HTTP 401)."""
 
 
-class SecretMissing(RuntimeError):
-    """This process has no sync secret but needs one."""
-
-
 def generate() -> str:
     """A fresh secret (64 hex characters)."""
     return secrets.token_hex(32)
@@ -50,26 +49,15 @@ def generate() -> str:
 
 def load(env=None, *, required: bool = True) -> bytes | None:
     """The sync secret from ``DIST_SR_SYNC_SECRET`` or ``DIST_SR_SYNC_SECRET_FILE``."""
-    env = os.environ if env is None else env
-    value, origin = env.get(ENV), ENV
-    if not value and env.get(ENV_FILE):
-        origin = f"{ENV_FILE}={env[ENV_FILE]}"
-        try:
-            with open(env[ENV_FILE], "rb") as f:
-                value = f.read().decode().strip()
-        except OSError as exc:
-            raise SecretMissing(f"cannot read the sync secret from {origin}: {exc}") from None
-    if not value:
+    found = secret.read(ENV, what="sync secret", env=env)
+    if found is None:
         if not required:
             return None
         raise SecretMissing(
             f"no sync secret: trainer and rollout engines authenticate weight pushes with a shared secret; set "
             f"{ENV} (e.g. export {ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')) or "
             f"{ENV_FILE} to the same value for the trainer and every engine (dist-sr k8s renders a Secret)")
-    if len(value.encode()) < MIN_BYTES:
-        raise SecretMissing(f"the sync secret from {origin} has {len(value.encode())} bytes; use at least {MIN_BYTES} "
-                            "(e.g. secrets.token_hex(32))")
-    return value.encode()
+    return found[0]
 
 
 def _mac(secret: bytes, *parts: bytes) -> str:

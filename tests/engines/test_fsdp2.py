@@ -357,9 +357,9 @@ def _manifest_save_worker(rank, world_size, path):
         (path / "digests.json").write_text(json.dumps(digests))
 
 
-def _manifest_load_worker(rank, world_size, path):
+def _manifest_load_worker(rank, world_size, path, why="files differ"):
     eng = _fsdp2_engine()
-    with pytest.warns(RuntimeWarning, match=r"resuming from .*step1; refused newer: .*step2: files differ") \
+    with pytest.warns(RuntimeWarning, match=rf"resuming from .*step1; refused newer: .*step2: .*{why}") \
             if rank == 0 else _no_warning_check():
         assert eng.load(path) == 1
     assert eng.expected_digest() == json.loads((path / "digests.json").read_text())["1"]
@@ -380,3 +380,33 @@ def test_a_corrupted_latest_fsdp2_checkpoint_is_refused_and_the_previous_one_res
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     run_workers(_manifest_load_worker, 2, tmp_path)
+
+
+class _Planted:
+    """Unpickling this creates the file it names: what a planted pickle could do instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_planted_without_the_secret_is_never_unpickled(tmp_path):
+    """A process that can write the checkpoint volume but lacks the job's secret replaces the
+    newest checkpoint's DCP metadata (which PyTorch unpickles) with a pickle of its own and
+    rewrites the manifest's SHA-256s to match: the manifest is not signed with the job's key, so
+    the resume refuses it before DCP reads a byte, takes the previous checkpoint, and the planted
+    pickle never runs."""
+    import hashlib
+    import pickle
+
+    run_workers(_manifest_save_worker, 2, tmp_path)
+    step2 = tmp_path / "fsdp2" / "step2"
+    marker = tmp_path / "planted-pickle-ran"
+    (step2 / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    files = {str(p.relative_to(step2)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(step2.rglob("*")) if p.is_file() and p.name != "MANIFEST.json"}
+    (step2 / "MANIFEST.json").write_text(json.dumps({"sha256": files}))
+    run_workers(_manifest_load_worker, 2, tmp_path, "MANIFEST.json is not signed")
+    assert not marker.exists()
