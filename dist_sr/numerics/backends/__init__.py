@@ -17,7 +17,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..key import check_seed_step
+from ..key import check_seed_step, signed64
 
 
 @dataclass
@@ -50,7 +50,7 @@ class KeyStep:
         """The step before, as the signed 64-bit value a device counter holds (the key kernel
         derives the keys of ``counter + 1``)."""
         before = (self.step - 1) % (1 << 64)
-        return before - ((before >> 63) << 64)
+        return signed64(before)
 
 
 class Backend(Protocol):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ...adamw import constants
-from ...key import stream_key
+from ...key import signed64, stream_key
 from .. import KeyStep
 
 
@@ -58,8 +58,7 @@ class TritonBackend:
         for i in idx:
             if batch.rows[i] is not None and keys is not None:  # a strided shard: its own launch
                 if isinstance(keys, KeyStep):
-                    key = stream_key(seed=keys.seed, step=keys.step, param=batch.names[i], mode=keys.mode)
-                    key -= (key >> 63) << 64
+                    key = signed64(stream_key(seed=keys.seed, step=keys.step, param=batch.names[i], mode=keys.mode))
                 else:
                     key = int(keys[i])
                 launch.round_one(batch.xs[i], batch.outs[i], key, batch.offsets[i], batch.rows[i])

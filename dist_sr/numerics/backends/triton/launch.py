@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ...key import STEP_BYTE, key_message, stream_key
+from ...key import STEP_BYTE, key_message, signed64, stream_key
 from .. import DeviceStep, KeyStep
 from . import interpreting
 from . import kernels as tk
@@ -335,7 +335,7 @@ class SRLaunch:
             x, out, offset, i = self.single
             if key_step is not None:  # one key: one hash here, passed as a kernel argument
                 key = stream_key(seed=key_step.seed, step=key_step.step, param=names[i], mode=key_step.mode)
-                round_one(x, out, key - ((key >> 63) << 64), offset)
+                round_one(x, out, signed64(key), offset)
                 return
             round_one(x, out, None if keys is None else int(keys[i]), offset)
             return
