@@ -28,11 +28,16 @@ from .tasks import TASKS
 CACHE_VERSION = "warmup-v1"
 
 
-def cache_key(cfg: ExperimentConfig) -> str:
+def cache_key(cfg: ExperimentConfig, device_type: str | None = None) -> str:
+    """What names a cached warm-up: its settings and the kind of device it trains on (a GPU's
+    kernels give other bits than the CPU's, so a GPU warm-up is not the CPU one)."""
     w = dataclasses.asdict(cfg.warmup)
     w.pop("cache_dir")
-    blob = json.dumps([CACHE_VERSION, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.task), w,
-                       cfg.grpo.max_new_tokens], sort_keys=True)
+    device_type = training_device().type if device_type is None else device_type
+    parts = [CACHE_VERSION, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.task), w, cfg.grpo.max_new_tokens]
+    if device_type != "cpu":  # CPU warm-ups keep the names they always had
+        parts.append(device_type)
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

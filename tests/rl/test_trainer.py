@@ -9,7 +9,7 @@ import torch
 from dist_sr import PRECISIONS
 from dist_sr.rl.model import load_pretrained
 from dist_sr.rl.trainer import RolloutWeightMismatch, train
-from dist_sr.rl.warmup import warmup_checkpoint
+from dist_sr.rl.warmup import cache_key, warmup_checkpoint
 from dist_sr.rollout.embedded import EmbeddedEngine
 
 
@@ -61,6 +61,8 @@ def test_warmup_checkpoint_is_on_the_bf16_grid_and_loads_with_from_pretrained(ea
         assert torch.equal(p, p.to(torch.bfloat16).float()), name
     assert tokenizer.decode(tokenizer("123=")["input_ids"]) == "123="
     assert warmup_checkpoint(cfg, progress=False) == path  # cached
+    # the cache is per kind of device: a GPU warm-up (other kernels, other bits) is not this one
+    assert path.name == f"warmup-{cache_key(cfg, 'cpu')}" and cache_key(cfg, "cuda") != cache_key(cfg, "cpu")
 
 
 def test_train_from_a_local_pretrained_directory(easy, tmp_path):
