@@ -205,9 +205,14 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
             for cell in cells(cfg) for start in cfg.start_seeds for seed in run_seeds(cfg, cell)]
     todo = [j for j in jobs if not _finished(j[3])]
     todo.sort(key=lambda j: j[3].precision.precision != "fp16")  # slowest on a CPU first: shorter makespan
+    if not todo:  # every run finished: the report only, no worker processes
+        return write_report(cfg)
+    from .warmup import is_cached
+
     with cf.ProcessPoolExecutor(max_workers=cfg.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
         first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
-        warm = [pool.submit(_warm_one, exp) for exp in first.values()]  # before any run needs them
+        # the start checkpoints not cached yet, before any run needs them
+        warm = [pool.submit(_warm_one, exp) for exp in first.values() if not is_cached(exp)]
         for fut in tqdm(cf.as_completed(warm), total=len(warm), desc="start checkpoints (warm-up)",
                         disable=not progress):
             fut.result()

@@ -59,11 +59,20 @@ def encode_targets(tokenizer, targets: list[str]) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def cache_path(cfg: ExperimentConfig) -> Path:
+    """Where ``cfg``'s warm-up checkpoint is cached (complete once it holds ``warmup.json``)."""
+    return Path(cfg.warmup.cache_dir) / f"warmup-{cache_key(cfg)}"
+
+
+def is_cached(cfg: ExperimentConfig) -> bool:
+    return (cache_path(cfg) / "warmup.json").exists()
+
+
 def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
     """Path of the cached warm-up checkpoint for ``cfg``, training it first if needed. With
     ``warmup.enabled: false`` it is the freshly initialised tiny model, on the BF16 grid."""
-    path = Path(cfg.warmup.cache_dir) / f"warmup-{cache_key(cfg)}"
-    if (path / "warmup.json").exists():
+    path = cache_path(cfg)
+    if is_cached(cfg):
         return path
     w = cfg.warmup
     task = make_task(cfg)
