@@ -4,6 +4,8 @@ to a backend; the arithmetic itself is defined in ``numerics.adamw``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Sequence
 
 import numpy as np
@@ -14,6 +16,8 @@ from .adamw import AdamWHyper, moment_param  # noqa: F401  (part of this API)
 from .key import check_mode, stream_keys
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
+_GRAD_DTYPE_SET = frozenset(_GRAD_DTYPES)
+_DTYPE = attrgetter("dtype")
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,10 @@ class AdamWPlan:
         self.launches: dict = {}  # the backends' launch state for the piece subsets stepped so far
         self._numels = [pc.p.numel() for pc in self.pieces]
         self._devices = [pc.p.device for pc in self.pieces]
+        self._device_index = [pc.p.get_device() for pc in self.pieces]  # what Tensor.get_device gives
+        self._all_by_backend: dict[str, list[int]] = {}  # a step where every piece steps
+        for i, b in enumerate(self._backend):
+            self._all_by_backend.setdefault(b, []).append(i)
         self.kind = [(pc.pure, pc.exp_avg.dtype == torch.bfloat16) for pc in self.pieces]
         self.static_groups: dict[tuple[bool, bool], list[int]] = {}
         for i, kind in enumerate(self.kind):
@@ -111,34 +119,42 @@ class AdamWPlan:
         return keys
 
     def step_(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper],
-              slots: Sequence[int] | None = None, *, seed: int, step: int, mode: str = "stochastic",
-              grad_scale: torch.Tensor | None = None, device_step=None) -> None:
+              slots: Sequence[int] | np.ndarray | None = None, *, seed: int, step: int, mode: str = "stochastic",
+              grad_scale: torch.Tensor | None = None, device_step=None, live: np.ndarray | None = ...) -> None:
         """One step. ``grads[i]``: piece ``i``'s gradient (BF16 or FP32, its numel; None skips
         the piece). ``hypers[slots[i]]`` is piece ``i``'s AdamW setting (``slots`` defaults to
         one hyper per piece). ``grad_scale``: a one-element FP32 tensor on the pieces' device that
         multiplies every gradient (read by the kernel); otherwise each hyper's ``grad_scale``.
-        The key's ``step`` is shared by all pieces.
+        The key's ``step`` is shared by all pieces. ``live``: the indices of the pieces with a
+        gradient, None for all (found here when not given).
 
         ``device_step`` (a ``triton_launch.DeviceStep``, CUDA only): the key's step and Adam's
         bias-correction step are both ``counter + 1``, derived on the device, so the step can be
-        captured in a CUDA graph and replayed (``step`` and the hypers' ``step`` are then unused)."""
+        captured in a CUDA graph and replayed (``step`` and the hypers' ``step`` are then unused).
+
+        The host work is a few passes of C-level calls over the gradients (their dtype, numel,
+        device, address): no Python loop per piece on the usual step, where every piece steps."""
         check_mode(mode)
         if len(grads) != len(self.pieces):
             raise ValueError(f"fused AdamW: {len(grads)} gradients for {len(self.pieces)} pieces")
         if slots is None:
-            slots = range(len(self.pieces))
+            slots = np.arange(len(self.pieces))
         if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
             raise TypeError("fused AdamW: grad_scale must be a one-element float32 tensor")
-        live = [i for i, g in enumerate(grads) if g is not None]
-        numels, devices = self._numels, self._devices
-        for i in live:
-            g = grads[i]
-            if g.dtype not in _GRAD_DTYPES or g.numel() != numels[i] or g.device != devices[i]:
-                raise TypeError(f"fused AdamW: grad of {self.names[i]!r} must be float32 or bfloat16 with the "
-                                f"parameter's numel on {devices[i]}, got {g.dtype} x {g.numel()} on {g.device}")
-        by_backend: dict[str, list[int]] = {}
-        for i in live:
-            by_backend.setdefault(self._backend[i], []).append(i)
+        if live is ...:
+            live = None if not any(map(is_, grads, repeat(None))) else [i for i, g in enumerate(grads) if g is not None]
+        if live is None:
+            grads = self._check_grads(grads)
+            by_backend = self._all_by_backend
+        else:
+            live = [int(i) for i in live]
+            checked = self._check_grads([grads[i] for i in live], live)
+            grads = list(grads)
+            for i, g in zip(live, checked):
+                grads[i] = g
+            by_backend = {}
+            for i in live:
+                by_backend.setdefault(self._backend[i], []).append(i)
         if device_step is not None:
             odd = sorted(b for b in by_backend if not backends.get(b).device_keys)
             if odd:
@@ -156,6 +172,25 @@ class AdamWPlan:
             if keys is None:
                 keys = self.keys(seed, step, mode)
             backend.adamw_step(self, idx, grads, hypers, slots, keys, grad_scale)
+
+    def _check_grads(self, grads: Sequence[torch.Tensor], idx: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """``grads`` (those of pieces ``idx``, None for all), each a float32 or bfloat16 tensor of
+        its piece's numel on its piece's device, as contiguous tensors (a non-contiguous one is
+        copied). One C-level pass per property; a per-piece loop only to name an offender. The
+        backends rely on this check."""
+        numels, devices = self._numels, self._device_index
+        if idx is not None:
+            numels, devices = [numels[i] for i in idx], [devices[i] for i in idx]
+        if not (set(map(_DTYPE, grads)) <= _GRAD_DTYPE_SET and list(map(torch.Tensor.numel, grads)) == numels
+                and list(map(torch.Tensor.get_device, grads)) == devices):
+            for k, g in enumerate(grads):
+                i = k if idx is None else idx[k]
+                if g.dtype not in _GRAD_DTYPES or g.numel() != self._numels[i] or g.device != self._devices[i]:
+                    raise TypeError(f"fused AdamW: grad of {self.names[i]!r} must be float32 or bfloat16 with the "
+                                    f"parameter's numel on {self._devices[i]}, got {g.dtype} x {g.numel()} on {g.device}")
+        if all(map(torch.Tensor.is_contiguous, grads)):
+            return grads
+        return [g if g.is_contiguous() else g.contiguous() for g in grads]
 
     def groups(self, idx, hypers, slots, grad_scale) -> dict[tuple, list[int]]:
         """Pieces ``idx`` by (pure, BF16 moments, gradient scale or None for ``grad_scale``): one

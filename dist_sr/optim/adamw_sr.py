@@ -7,8 +7,10 @@ same key, so they stay bit-identical without exchanging weights.
 
 from __future__ import annotations
 
+from operator import attrgetter, is_, itemgetter
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..numerics import backends
@@ -20,6 +22,8 @@ from .fused_step import FusedAdamWSteps
 from .params import ParamsLike, named_param_groups
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_GRAD = attrgetter("grad")
+_EXP_AVG, _EXP_AVG_SQ = itemgetter("exp_avg"), itemgetter("exp_avg_sq")
 
 
 class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
@@ -73,21 +77,33 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
         return self.param_groups
 
     def _grads(self) -> list:
-        return [None if p.grad is None else (_local_shard(p.grad)[0] if self._sharded else p.grad).contiguous()
-                for _, p in self._params]
+        if self._sharded:
+            return [None if p.grad is None else _local_shard(p.grad)[0] for p in self._tensors]
+        return list(map(_GRAD, self._tensors))  # checked (and made contiguous where needed) by the plan
 
-    def _next_adam_step(self, i: int) -> int:
-        self._states[i]["step"] += 1
-        return self._states[i]["step"]
+    def _advance_adam_steps(self, live) -> np.ndarray:
+        steps = self._adam_steps  # mirrors each state's "step", read when the plan is (re)built
+        if live is None:
+            steps += 1
+            for st, step in zip(self._states, steps.tolist()):
+                st["step"] = step
+        else:
+            steps[live] += 1
+            for i in live.tolist():
+                self._states[i]["step"] = int(steps[i])
+        return steps
 
     def _ensure_plan(self) -> AdamWPlan:
         """The fused plan over every parameter's local piece and its moments, built on the first
         step and again whenever a parameter or a moment tensor was replaced (a loaded state)."""
-        if self._plan is not None:  # the usual step: the same parameters, moments and storage
-            same = all(st["exp_avg"] is m and st["exp_avg_sq"] is v for st, m, v in self._plan_moments)
-            if same and (self._sharded or [p.data_ptr() for _, p in self._params] == self._plan_addresses):
+        if self._plan is not None:  # the usual step: the same parameters, moments and storage (C-level passes)
+            states = self._states
+            same = (all(map(is_, map(_EXP_AVG, states), self._plan_exp_avgs))
+                    and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_exp_avg_sqs)))
+            if same and (self._sharded or list(map(torch.Tensor.data_ptr, self._tensors)) == self._plan_addresses):
                 return self._plan
         self._params = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]]
+        self._tensors = [p for _, p in self._params]
         for _, p in self._params:
             state = self.state[p]
             if not state:
@@ -95,8 +111,9 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
         self._states = [self.state[p] for _, p in self._params]
-        self._group_of = [gi for gi, _ in self._params]
-        self._plan_moments = [(st, st["exp_avg"], st["exp_avg_sq"]) for st in self._states]
+        self._group_of = np.asarray([gi for gi, _ in self._params], dtype=np.int64)
+        self._plan_exp_avgs = list(map(_EXP_AVG, self._states))
+        self._plan_exp_avg_sqs = list(map(_EXP_AVG_SQ, self._states))
         self._plan_addresses = [] if self._sharded else [p.data_ptr() for _, p in self._params]
         if self._counter.capturable:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -109,6 +126,7 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
             if steps - {self.step_count}:
                 raise ValueError(f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
                                  f"{sorted(steps)} differ from the key's step {self.step_count}")
+        self._adam_steps = np.asarray([int(st["step"]) for st in self._states], dtype=np.int64)
         pieces = []
         names = {id(p): n for group in self.param_groups for n, p in zip(group["param_names"], group["params"])}
         for _, p in self._params:

@@ -3,36 +3,53 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import is_
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..numerics.adamw import AdamWHyper
 
 
-class HyperTable:
-    """The distinct AdamW settings of one step: one row per (param group, Adam step) in use."""
+def hyper_slots(groups: list[dict], group_of: np.ndarray, steps: np.ndarray,
+                live: np.ndarray | None) -> tuple[np.ndarray, list[AdamWHyper]]:
+    """The distinct AdamW settings of one step, one per (param group, Adam step) in use, and each
+    piece's row among them (0 for a piece without a gradient). ``live``: the stepping pieces'
+    indices, None for all. Array work: the host cost barely grows with the number of pieces."""
+    g, s = (group_of, steps) if live is None else (group_of[live], steps[live])
+    if len(g) and g.min() == g.max() and s.min() == s.max():  # the usual step: one setting
+        pairs, rows = np.asarray([[g[0], s[0]]]), np.zeros(len(g), dtype=np.int64)
+    else:
+        pairs, rows = np.unique(np.stack([g, s], axis=1), axis=0, return_inverse=True)
+        rows = rows.reshape(-1)
+    hypers = []
+    for gi, step in pairs.tolist():
+        group = groups[gi]
+        hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], step))
+    if live is None:
+        return rows, hypers
+    slots = np.zeros(len(steps), dtype=np.int64)
+    slots[live] = rows
+    return slots, hypers
 
-    def __init__(self, groups: list[dict]):
-        self.groups, self.hypers = groups, []
-        self._rows: dict[tuple[int, int], int] = {}
 
-    def row(self, group: int, adam_step: int) -> int:
-        key = (group, adam_step)
-        if key not in self._rows:
-            g = self.groups[group]
-            self._rows[key] = len(self.hypers)
-            self.hypers.append(AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], adam_step))
-        return self._rows[key]
+def live_pieces(grads: list) -> np.ndarray | None:
+    """The indices of the pieces with a gradient, or None when every piece has one."""
+    if not any(map(is_, grads, repeat(None))):
+        return None
+    return np.asarray([i for i, g in enumerate(grads) if g is not None], dtype=np.int64)
 
 
 class FusedAdamWSteps:
     """``step()`` for an optimizer that provides: ``_counter`` (a ``StepCounter``), ``seed``,
-    ``mode``, ``_fused_groups`` (its AdamW param groups), ``_group_of`` (each piece's group),
-    ``_ensure_plan()``, ``_grads()`` (each piece's gradient or None), ``_next_adam_step(i)``;
-    optionally ``_grad_scale`` (a device tensor from gradient clipping, used once) and
-    ``_after_step(grads)``. A capturable optimizer keys the step on its device counter, so the
-    step replays from a CUDA graph; every piece then steps."""
+    ``mode``, ``_fused_groups`` (its AdamW param groups), ``_group_of`` (each piece's group, an
+    int array), ``_ensure_plan()``, ``_grads()`` (each piece's gradient or None),
+    ``_advance_adam_steps(live)`` (advance Adam's step of pieces ``live``, None for all, and
+    return every piece's, an int64 array); optionally ``_grad_scale`` (a device tensor from
+    gradient clipping, used once) and ``_after_step(grads)``. A capturable optimizer keys the step
+    on its device counter, so the step replays from a CUDA graph; every piece then steps."""
 
     _grad_scale: torch.Tensor | None = None
 
@@ -46,22 +63,21 @@ class FusedAdamWSteps:
         grads = self._grads()
         scale, self._grad_scale = self._grad_scale, None
         groups = self._fused_groups
+        live = live_pieces(grads)
         if self._counter.capturable:
-            if any(g is None for g in grads):
+            if live is not None:
                 missing = [plan.names[i] for i, g in enumerate(grads) if g is None]
                 raise ValueError(f"{type(self).__name__}(capturable=True) steps every parameter; no gradient for "
                                  f"{missing[:3]}")
             hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in groups]
             plan.step_(grads, hypers, self._group_of, seed=self.seed, step=0, mode=self.mode, grad_scale=scale,
-                       device_step=self._counter.device_step(self.seed, self.mode))
+                       device_step=self._counter.device_step(self.seed, self.mode), live=live)
             self._counter.advance()
         else:
             self.step_count += 1
-            table = HyperTable(groups)
-            slots = [0 if g is None else table.row(self._group_of[i], self._next_adam_step(i))
-                     for i, g in enumerate(grads)]
-            plan.step_(grads, table.hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode,
-                       grad_scale=scale)
+            slots, hypers = hyper_slots(groups, self._group_of, self._advance_adam_steps(live), live)
+            plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode,
+                       grad_scale=scale, live=live)
         self._after_step(grads)
         return loss
 

@@ -7,8 +7,11 @@ weights become ``round(shadow)`` under the rounding key (seed, step, parameter n
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..numerics import RoundingBatch, RoundingJob, backends, stochastic_round
@@ -20,6 +23,8 @@ from .loss_scale import DynamicLossScaler
 from .params import ParamsLike, named_param_groups
 
 STATE_FORMAT = "dist-sr/shadow-optimizer/v1"
+_GRAD = attrgetter("grad")
+_EXP_AVG, _EXP_AVG_SQ, _STEP = itemgetter("exp_avg"), itemgetter("exp_avg_sq"), itemgetter("step")
 WORKING_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -330,9 +335,11 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                 raise TypeError(f"ShadowAdamW needs BF16 working weights; {name!r} is {p.dtype} (use ShadowOptimizer)")
         self._plan: AdamWPlan | None = None
         self._plan_addresses: list[int] = []
-        self._adam_steps: list[int] = []  # Adam's step per parameter, mirrored from state["step"]
+        self._adam_steps = np.zeros(0, dtype=np.int64)  # Adam's step per parameter, mirrored from state["step"]
         group_of = {id(s): gi for gi, group in enumerate(self.inner.param_groups) for s in group["params"]}
-        self._group_of = [group_of[id(s)] for _, _, s in self._pairs]
+        self._group_of = np.asarray([group_of[id(s)] for _, _, s in self._pairs], dtype=np.int64)
+        self._shadows = [s for _, _, s in self._pairs]
+        self._workings = [p for _, p, _ in self._pairs]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of the working gradients (FP32, on their device); the next ``step``
@@ -353,10 +360,13 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
         any of those tensors was replaced (a loaded state dict, a moved model)."""
         state = self.inner.state
         capturable = self._counter.capturable
-        if self._plan is not None:  # the usual step: same moments, same working storage
-            same = all(st is state.get(sh) and st["exp_avg"] is m and st["exp_avg_sq"] is v and st["step"] is t
-                       for sh, st, m, v, t in self._plan_moments)
-            if not same or [p.data_ptr() for _, p, _ in self._pairs] != self._plan_addresses:
+        if self._plan is not None:  # the usual step: same moments, same working storage (C-level passes)
+            states = list(map(state.get, self._shadows))
+            same = (all(map(is_, states, self._plan_states))
+                    and all(map(is_, map(_EXP_AVG, states), self._plan_moments[0]))
+                    and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_moments[1]))
+                    and all(map(is_, map(_STEP, states), self._plan_moments[2])))
+            if not same or list(map(torch.Tensor.data_ptr, self._workings)) != self._plan_addresses:
                 self._plan = None
         if self._plan is None:
             if capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -370,12 +380,12 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
             self._plan = AdamWPlan([AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data)
                                     for n, p, s in self._pairs], backend=self.backend)
             self._plan_addresses = [p.data_ptr() for _, p, _ in self._pairs]
-            self._adam_steps = [int(state[s]["step"]) for _, _, s in self._pairs]  # once per rebuild, not per step
+            self._adam_steps = np.asarray([int(state[s]["step"]) for _, _, s in self._pairs], dtype=np.int64)
             if not capturable:
                 # torch.optim.AdamW's per-parameter step tensors, as 0-dim views of one buffer: a step
                 # advances them all in one operation (a foreach add over 290 CPU scalars costs ~0.3 ms);
                 # state_dict() hands out copies
-                self._step_buffer = torch.tensor(self._adam_steps, dtype=torch.float32)
+                self._step_buffer = torch.tensor(self._adam_steps.tolist(), dtype=torch.float32)
                 for i, (_, _, s) in enumerate(self._pairs):
                     state[s]["step"] = self._step_buffer[i]
             if capturable:
@@ -385,8 +395,8 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                 for _, _, s in self._pairs:  # capturable: Adam's step lives beside the state, on the device
                     state[s]["step"] = state[s]["step"].to(s.device)
                 self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
-            self._plan_moments = [(s, state[s], state[s]["exp_avg"], state[s]["exp_avg_sq"], state[s]["step"])
-                                  for _, _, s in self._pairs]
+            self._plan_states = [state[s] for s in self._shadows]
+            self._plan_moments = [list(map(get, self._plan_states)) for get in (_EXP_AVG, _EXP_AVG_SQ, _STEP)]
         return self._plan
 
     def state_dict(self) -> dict[str, Any]:
@@ -401,19 +411,23 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
         return self.inner.param_groups
 
     def _grads(self) -> list:
-        return [p.grad for _, p, _ in self._pairs]
+        return list(map(_GRAD, self._workings))
 
-    def _next_adam_step(self, i: int) -> int:
-        self._adam_steps[i] += 1
-        return self._adam_steps[i]
+    def _advance_adam_steps(self, live) -> np.ndarray:
+        if live is None:
+            self._adam_steps += 1
+        else:
+            self._adam_steps[live] += 1
+        return self._adam_steps  # mirrors state["step"] (advanced in _after_step), read when the plan is built
 
     def _after_step(self, grads: list) -> None:
         """Advance torch.optim.AdamW's per-parameter step tensors (checkpoints interchange)."""
         if self._counter.capturable:
             torch._foreach_add_(self._device_steps, 1.0)
             return
-        live = [i for i, g in enumerate(grads) if g is not None]
-        if len(live) == len(grads):
+        if not any(map(is_, grads, repeat(None))):
             self._step_buffer.add_(1.0)
-        elif live:
+            return
+        live = [i for i, g in enumerate(grads) if g is not None]
+        if live:
             self._step_buffer[live] += 1.0

@@ -337,6 +337,56 @@ def test_a_step_uploads_once_and_reads_nothing_back(device, optimizer, monkeypat
     assert max(uploads) <= 8 * 8 * len(params) + 4 * 8 * 2  # O(tensors) bytes, independent of elements
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["ShadowAdamW", "AdamWSR-bf16", "AdamWSR-fp32"])
+def test_irregular_steps_through_the_array_host_path_equal_the_reference(device, optimizer):
+    # the step's host work runs in array passes; the irregular cases must still give each
+    # parameter the reference AdamW of its own group and its own Adam step: a parameter without
+    # a gradient (skipped; its Adam step falls behind the others' in its group), a non-contiguous
+    # gradient (read by value), two param groups with their own learning rates
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8)).to(device=device, dtype=torch.bfloat16)
+    named = list(model.named_parameters())
+    lrs = [1e-2, 1e-2, 3e-3, 3e-3]
+    groups = [{"params": named[:2], "lr": lrs[0]}, {"params": named[2:], "lr": lrs[2]}]
+    pure, moment_bf16 = optimizer != "ShadowAdamW", optimizer == "AdamWSR-bf16"
+    opt = (ShadowAdamW(groups, seed=9, backend="triton") if not pure
+           else AdamWSR(groups, seed=9, moment_dtype=optimizer[-4:], backend="triton"))
+    mdt = torch.bfloat16 if moment_bf16 else torch.float32
+    want = [{"p": p.detach().cpu().clone() if pure else p.detach().cpu().float(), "out": p.detach().cpu().clone(),
+             "m": torch.zeros(p.numel(), dtype=mdt), "v": torch.zeros(p.numel(), dtype=mdt), "t": 0}
+            for _, p in named]
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=torch.bfloat16)
+    for step in range(1, 5):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        if step == 2:
+            model[0].bias.grad = None       # no gradient: skipped, its Adam step stays behind
+        if step == 3:                        # the same values, laid out column-major
+            w = model[1].weight
+            w.grad = w.grad.t().contiguous().t()
+            assert not w.grad.is_contiguous()
+        for (name, p), lr, st in zip(named, lrs, want):
+            if p.grad is None:
+                continue
+            st["t"] += 1
+            keys = [stream_key(seed=9, step=step, param=n) for n in (name, moment_param(name, "exp_avg"),
+                                                                      moment_param(name, "exp_avg_sq"))]
+            h = AdamWHyper(lr, 0.9, 0.999, 1e-8, 0.01, st["t"])
+            flat = st["p"].view(-1)
+            adamw_reference_(flat, st["m"], st["v"], p.grad.detach().cpu().reshape(-1), None if pure else
+                             st["out"].view(-1), keys[0], 0, h, (keys[1], keys[2]) if moment_bf16 else None)
+        opt.step()
+    states = opt.state_dict()
+    states = (states["inner"] if not pure else states)["state"]
+    assert [float(st["step"]) for st in states.values()] == [4.0, 3.0, 4.0, 4.0]
+    for (name, p), st, saved in zip(named, want, states.values()):
+        assert torch.equal(bits16(p.data.cpu()), bits16(st["p"] if pure else st["out"])), name
+        for k in ("m", "v"):
+            got = saved["exp_avg" if k == "m" else "exp_avg_sq"].cpu().reshape(-1)
+            assert torch.equal(as_bits(got), as_bits(st[k])), (name, k)
+
+
 # ---- CUDA only ---------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -81,6 +81,7 @@ class TritonBackend:
     def adamw_step(self, plan, idx, grads, hypers, slots, keys, grad_scale, device_step=None) -> None:
         from . import launch
 
+        slots = np.asarray(slots, dtype=np.int64)
         for (pure, moment_bf16, scale), sel in plan.groups(idx, hypers, slots, grad_scale).items():
             cached = plan.launches.get((pure, tuple(sel)))
             if cached is None:
@@ -91,22 +92,29 @@ class TritonBackend:
                                             [plan.pieces[i].offset for i in sel], pure=pure, moment_bf16=moment_bf16,
                                             names=names)
                 plan.launches[(pure, tuple(sel))] = cached
-            used = list(dict.fromkeys(slots[i] for i in sel))
-            row = {s: k for k, s in enumerate(used)}
+            every = len(sel) == len(grads)  # the usual step: every piece, in order
+            used, rows = _rows(slots if every else slots[sel])
+            sel_grads = grads if every else [grads[i] for i in sel]
             device = plan.pieces[sel[0]].p.device
             scale_t = grad_scale.reshape(1) if scale is None else launch.scale_tensor(scale, device)
             if device_step is not None:
                 hyper = np.asarray([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in (hypers[s] for s in used)],
                                    dtype=np.float64)
-                cached([grads[i] for i in sel], None, [row[slots[i]] for i in sel], None, scale_t,
-                       device_step=device_step, hyper=hyper)
+                cached(sel_grads, None, rows, None, scale_t, device_step=device_step, hyper=hyper)
                 continue
             consts = np.asarray([constants(hypers[s]) for s in used], dtype=np.float32)
             if isinstance(keys, KeyStep):
-                cached([grads[i] for i in sel], None, [row[slots[i]] for i in sel], consts, scale_t, key_step=keys)
+                cached(sel_grads, None, rows, consts, scale_t, key_step=keys)
                 continue
-            cached([grads[i] for i in sel], None if keys is None else keys[:, sel], [row[slots[i]] for i in sel],
-                   consts, scale_t)
+            cached(sel_grads, None if keys is None else keys[:, sel], rows, consts, scale_t)
+
+
+def _rows(slots: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The hyper-parameter slots in use and each piece's row among them (array work)."""
+    if len(slots) and slots.min() == slots.max():
+        return [int(slots[0])], np.zeros(len(slots), dtype=np.int64)
+    used, rows = np.unique(slots, return_inverse=True)
+    return used.tolist(), rows.reshape(-1)
 
 
 BACKEND = TritonBackend()

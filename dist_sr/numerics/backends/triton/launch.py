@@ -18,6 +18,7 @@ import contextlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ ADAMW_BLOCK = int(os.environ.get("DIST_SR_TRITON_ADAMW_BLOCK", 1024))
 ADAMW_WARPS = int(os.environ.get("DIST_SR_TRITON_ADAMW_WARPS", 4))
 ALIGN_BYTES = 16
 _CACHE_SIZE = 256
+_DTYPE = attrgetter("dtype")
 
 
 def check_device(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -421,8 +423,9 @@ class AdamWLaunch:
         self.g0 = [offsets[i] for i in self.live]
         self._tables: dict[tuple[bool, tuple[int, ...]], TensorTable] = {}
         # which pieces may take the 16-byte path, gradients aside (checked per step)
-        self._static_aligned = [self.g0[k] % 4 == 0 and all(a[k] % ALIGN_BYTES == 0 for a in self.addresses)
-                                for k in range(len(self.live))]
+        self._static_aligned = np.asarray([self.g0[k] % 4 == 0 and all(a[k] % ALIGN_BYTES == 0 for a in self.addresses)
+                                           for k in range(len(self.live))], dtype=bool)
+        self._everything, self._live = tuple(range(len(self.live))), tuple(self.live)  # hashed per step: no copies
 
     def _table(self, aligned: bool, idx: list[int]) -> TensorTable:
         key = (ADAMW_BLOCK, aligned, tuple(idx))
@@ -436,7 +439,8 @@ class AdamWLaunch:
     def __call__(self, grads: Sequence[torch.Tensor], keys: np.ndarray | None, slots: Sequence[int],
                  consts: np.ndarray, scale: torch.Tensor, device_step: DeviceStep | None = None,
                  hyper: np.ndarray | None = None, key_step: KeyStep | None = None) -> None:
-        """``grads``: flat, one per tensor given at construction; ``keys``: int64 ``[3, T]``
+        """``grads``: one per tensor given at construction (contiguous, float32 or bfloat16, the
+        tensor's numel and device: ``fused.AdamWPlan`` checks them); ``keys``: int64 ``[3, T]``
         (param, exp_avg, exp_avg_sq keys) or None for nearest; ``slots``: each tensor's row of
         ``consts`` (float32 ``[S, 8]``, ``triton_kernels.ADAMW_CONSTS``); ``scale``: a one-element
         FP32 device tensor multiplying the gradients.
@@ -450,31 +454,33 @@ class AdamWLaunch:
         if not self.live:
             return
         live = self.live
-        ga, bf16, ok = [], [], []
-        for k, i in enumerate(live):
-            g = grads[i]
-            if not g.is_contiguous() or g.device != self.device:
-                raise ValueError("Triton kernels need contiguous gradients on the parameters' device")
-            a = g.data_ptr()
-            ga.append(a)
-            bf16.append(g.dtype == torch.bfloat16)
-            ok.append(self._static_aligned[k] and a % ALIGN_BYTES == 0)
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(live) != len(grads):  # some tensors are empty
+            grads, slots = [grads[i] for i in live], slots[live]
+        # C-level passes over the gradients, no Python loop per tensor (``grads`` is a step's
+        # every gradient: this is most of a step's host work); their dtype, numel, device and
+        # contiguity were checked by the caller (``fused.AdamWPlan``)
+        ga = np.asarray(list(map(torch.Tensor.data_ptr, grads)), dtype=np.int64)
+        dtypes = set(map(_DTYPE, grads))
+        ok = self._static_aligned & (ga % ALIGN_BYTES == 0)
         consts = np.ascontiguousarray(consts if consts is not None else np.zeros(8), dtype=np.float32).reshape(-1, 8)
         keyed = keys is not None or key_step is not None
-        everything = list(range(len(live)))
-        if all(ok) and (all(bf16) or not any(bf16)):  # the usual case: one launch
-            groups = [(True, bf16[0], everything)]
+        if len(dtypes) == 1 and ok.all():  # the usual case: one launch
+            groups = [(True, torch.bfloat16 in dtypes, None)]
         else:
-            groups = [(aligned, grad_bf16, [k for k in everything if ok[k] == aligned and bf16[k] == grad_bf16])
+            bf16 = np.asarray([g.dtype == torch.bfloat16 for g in grads])
+            groups = [(aligned, grad_bf16, np.flatnonzero((ok == aligned) & (bf16 == grad_bf16)).tolist())
                       for aligned in (True, False) for grad_bf16 in (True, False)]
         for aligned, grad_bf16, sel in groups:
-            if not sel:
+            if sel is None:  # every tensor
+                sel, rows, t = self._everything, self._live, len(live)
+                step_rows = np.concatenate([ga, slots])
+            elif not sel:
                 continue
+            else:
+                rows, t = [live[k] for k in sel], len(sel)
+                step_rows = np.concatenate([ga[sel], slots[sel]])
             table = self._table(aligned, sel)
-            rows = [live[k] for k in sel]
-            t = len(sel)
-            step_rows = np.concatenate([np.asarray([ga[k] for k in sel], np.int64),
-                                        np.asarray([slots[r] for r in rows], np.int64)])
             if device_step is not None:
                 hyper64 = np.ascontiguousarray(hyper, dtype=np.float64).reshape(-1, 5)
                 step = self._static_upload((aligned, grad_bf16),
