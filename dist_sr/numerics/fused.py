@@ -95,6 +95,7 @@ class AdamWPlan:
         self._backend = [backends.choose("reference" if pc.rows is not None else backend, pc.param, pc.p.device).name
                          for pc in self.pieces]  # strided shards (rare: FSDP2 on a non-leading dim): the plain path
         self.launches: dict = {}  # the backends' launch state for the piece subsets stepped so far
+        self.grad_dtypes: set | None = None  # set by step_: its gradients' dtypes when every piece steps
         self._numels = [pc.p.numel() for pc in self.pieces]
         self._devices = [pc.p.device for pc in self.pieces]
         self._device_index = [pc.p.get_device() for pc in self.pieces]  # what Tensor.get_device gives
@@ -143,6 +144,7 @@ class AdamWPlan:
             raise TypeError("fused AdamW: grad_scale must be a one-element float32 tensor")
         if live is ...:
             live = None if not any(map(is_, grads, repeat(None))) else [i for i, g in enumerate(grads) if g is not None]
+        self.grad_dtypes = None  # the dtypes of the step's gradients, when every piece steps
         if live is None:
             grads = self._check_grads(grads)
             by_backend = self._all_by_backend
@@ -181,7 +183,10 @@ class AdamWPlan:
         numels, devices = self._numels, self._device_index
         if idx is not None:
             numels, devices = [numels[i] for i in idx], [devices[i] for i in idx]
-        if not (set(map(_DTYPE, grads)) <= _GRAD_DTYPE_SET and list(map(torch.Tensor.numel, grads)) == numels
+        dtypes = set(map(_DTYPE, grads))
+        if idx is None:
+            self.grad_dtypes = dtypes  # the backends' launch grouping reads it (one pass fewer)
+        if not (dtypes <= _GRAD_DTYPE_SET and list(map(torch.Tensor.numel, grads)) == numels
                 and list(map(torch.Tensor.get_device, grads)) == devices):
             for k, g in enumerate(grads):
                 i = k if idx is None else idx[k]

@@ -125,7 +125,11 @@ class RoundingBatch:
         self._prepare()
 
     def _addresses(self) -> list[int]:
-        return [t.data_ptr() for job in self.jobs for t in (job.x, job.out)]
+        """Every piece's input and output address (C-level passes: checked on every ``run``)."""
+        tensors = self.__dict__.get("_tensors")
+        if tensors is None:
+            tensors = self._tensors = [t for job in self.jobs for t in (job.x, job.out)]
+        return list(map(torch.Tensor.data_ptr, tensors))
 
     def _prepare(self) -> None:
         self._seen = self._addresses()

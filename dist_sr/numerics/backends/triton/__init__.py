@@ -54,29 +54,32 @@ class TritonBackend:
     def round_batch(self, batch, idx, keys, device_step=None) -> None:
         from . import launch
 
-        flat = []
-        for i in idx:
-            if batch.rows[i] is not None and keys is not None:  # a strided shard: its own launch
-                if isinstance(keys, KeyStep):
-                    key = signed64(stream_key(seed=keys.seed, step=keys.step, param=batch.names[i], mode=keys.mode))
-                else:
-                    key = int(keys[i])
-                launch.round_one(batch.xs[i], batch.outs[i], key, batch.offsets[i], batch.rows[i])
+        keyed = keys is not None or device_step is not None
+        split = batch.launches.get(("triton-split", keyed, tuple(idx)))
+        if split is None:  # the batch's pieces are fixed: which take their own launch is decided once
+            own = [i for i in idx if keyed and batch.rows[i] is not None]  # keyed strided shards
+            flat = tuple(i for i in idx if not (keyed and batch.rows[i] is not None))
+            split = batch.launches[("triton-split", keyed, tuple(idx))] = (own, flat, [batch.names[i] for i in flat])
+        own, flat, names = split
+        for i in own:
+            if isinstance(keys, KeyStep):
+                key = signed64(stream_key(seed=keys.seed, step=keys.step, param=batch.names[i], mode=keys.mode))
             else:
-                flat.append(i)
+                key = int(keys[i])
+            launch.round_one(batch.xs[i], batch.outs[i], key, batch.offsets[i], batch.rows[i])
         if not flat:
             return
-        cached = batch.launches.get(("triton", tuple(flat)))
+        cached = batch.launches.get(("triton", flat))
         if cached is None:
             cached = launch.SRLaunch([batch.xs[i] for i in flat], [batch.outs[i] for i in flat],
                                      [batch.offsets[i] for i in flat])
-            batch.launches[("triton", tuple(flat))] = cached
+            batch.launches[("triton", flat)] = cached
         if device_step is not None:
-            cached(None, device_step, [batch.names[i] for i in flat])
+            cached(None, device_step, names)
         elif isinstance(keys, KeyStep):
-            cached(None, names=[batch.names[i] for i in flat], key_step=keys)
+            cached(None, names=names, key_step=keys)
         else:
-            cached(None if keys is None else keys[flat])
+            cached(None if keys is None else keys[list(flat)])
 
     def adamw_step(self, plan, idx, grads, hypers, slots, keys, grad_scale, device_step=None) -> None:
         from . import launch
@@ -104,7 +107,8 @@ class TritonBackend:
                 continue
             consts = np.asarray([constants(hypers[s]) for s in used], dtype=np.float32)
             if isinstance(keys, KeyStep):
-                cached(sel_grads, None, rows, consts, scale_t, key_step=keys)
+                cached(sel_grads, None, rows, consts, scale_t, key_step=keys,
+                       dtypes=plan.grad_dtypes if every else None)
                 continue
             cached(sel_grads, None if keys is None else keys[:, sel], rows, consts, scale_t)
 

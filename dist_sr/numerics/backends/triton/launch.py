@@ -107,6 +107,7 @@ class Launcher:
         self.fn = fn
         self.names = list(fn.arg_names)
         self.compiled: dict = {}
+        self._orders: dict = {}  # per set of keyword arguments: the compiled call's argument list
 
     def __call__(self, grid: int, *args, num_warps: int = 4, **kw) -> None:
         if interpreting() or not _DIRECT[0]:
@@ -115,15 +116,20 @@ class Launcher:
         device = current_device()
         spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
                      for a in args)
-        key = (spec, device, num_warps, tuple(sorted(kw.items())))
+        kws = tuple(kw.items())  # a call site passes its keywords in one order: no sorting per call
+        key = (spec, device, num_warps, kws)
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[(grid,)](*args, num_warps=num_warps, **kw)
             return
-        it = iter(args)
-        full = [kw[n] if n in kw else next(it) for n in self.names]
+        order = self._orders.get(kws)
+        if order is None:  # the positional arguments' places among the kernel's, the keywords filled in
+            order = self._orders[kws] = ([kw.get(n) for n in self.names], [i for i, n in enumerate(self.names)
+                                                                           if n not in kw])
+        full = order[0].copy()
         # raw addresses: the launcher would otherwise call data_ptr() and ask the driver about each
-        full = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full]
+        for i, a in zip(order[1], args):
+            full[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
         if not run_compiled(kernel, grid, device, full):
             self.fn[(grid,)](*args, num_warps=num_warps, **kw)
 
@@ -438,7 +444,7 @@ class AdamWLaunch:
 
     def __call__(self, grads: Sequence[torch.Tensor], keys: np.ndarray | None, slots: Sequence[int],
                  consts: np.ndarray, scale: torch.Tensor, device_step: DeviceStep | None = None,
-                 hyper: np.ndarray | None = None, key_step: KeyStep | None = None) -> None:
+                 hyper: np.ndarray | None = None, key_step: KeyStep | None = None, dtypes: set | None = None) -> None:
         """``grads``: one per tensor given at construction (contiguous, float32 or bfloat16, the
         tensor's numel and device: ``fused.AdamWPlan`` checks them); ``keys``: int64 ``[3, T]``
         (param, exp_avg, exp_avg_sq keys) or None for nearest; ``slots``: each tensor's row of
@@ -450,7 +456,7 @@ class AdamWLaunch:
         ``keys`` and ``consts`` are ignored), so the step replays correctly from a CUDA graph.
         With ``key_step`` the keys of that (seed, step, mode) are derived on the device from the
         step, uploaded with the gradient addresses and constants (``keys`` is ignored): no
-        per-name hashing on the host."""
+        per-name hashing on the host. ``dtypes``: the gradients' dtypes, if the caller has them."""
         if not self.live:
             return
         live = self.live
@@ -461,7 +467,8 @@ class AdamWLaunch:
         # every gradient: this is most of a step's host work); their dtype, numel, device and
         # contiguity were checked by the caller (``fused.AdamWPlan``)
         ga = np.asarray(list(map(torch.Tensor.data_ptr, grads)), dtype=np.int64)
-        dtypes = set(map(_DTYPE, grads))
+        if dtypes is None:
+            dtypes = set(map(_DTYPE, grads))
         ok = self._static_aligned & (ga % ALIGN_BYTES == 0)
         consts = np.ascontiguousarray(consts if consts is not None else np.zeros(8), dtype=np.float32).reshape(-1, 8)
         keyed = keys is not None or key_step is not None
