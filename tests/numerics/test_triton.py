@@ -276,6 +276,22 @@ def test_each_specialization_compiles_once(layout):
         assert args[3] == offset and args[6] is aligned and grid == -(-(n + shift) // tl_.SR_BLOCK)
 
 
+def test_a_direct_launch_passes_the_arguments_the_jit_launch_passed():
+    # after a specialization's first (JIT) launch, Launcher launches the compiled kernel itself with
+    # the kernel's full argument list: every positional argument in its place (tensors as raw
+    # addresses) and the keyword constants filled in, whatever order the call site gave them in
+    t = [torch.zeros(8, dtype=torch.int64) for _ in range(6)]
+    kw = dict(BLOCK=1024, MOMENT_BF16=True, PURE=False, GRAD_BF16=True, ALIGNED=True, KEYED=True)  # not in signature order
+    with tl_.dry_run() as record:
+        for _ in range(3):
+            tl_.launcher(tl_.tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **kw)
+    assert record.jit == ["adamw_many_kernel"] and len(record.launches) == 3
+    (_, g0, jit_args), (_, g1, direct), (_, g2, again) = record.launches
+    want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in jit_args)
+    assert g0 == g1 == g2 == 7 and direct == again
+    assert tuple(direct) == want == (*(x.data_ptr() for x in t), 290, True, True, True, False, True, 1024)
+
+
 def _count_uploads(monkeypatch):
     calls = []
     real = tl_.upload
