@@ -290,6 +290,11 @@ def test_a_direct_launch_passes_the_arguments_the_jit_launch_passed():
     want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in jit_args)
     assert g0 == g1 == g2 == 7 and direct == again
     assert tuple(direct) == want == (*(x.data_ptr() for x in t), 290, True, True, True, False, True, 1024)
+    # other constants are another specialization: compiled (through the JIT) before a direct launch
+    with tl_.dry_run() as record:
+        for keyed in (True, False, False):
+            tl_.launcher(tl_.tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **{**kw, "KEYED": keyed})
+    assert record.jit == ["adamw_many_kernel"] * 2 and [a[-6] for _, _, a in record.launches] == [True, False, False]
 
 
 def _count_uploads(monkeypatch):
