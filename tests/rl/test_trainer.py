@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +28,15 @@ def test_every_precision_learns_and_rolls_out_with_the_training_weights(precisio
     assert evals[-1] >= evals[0] + 0.25, evals
     steps = [r for r in rows if "reward" in r]
     assert [r["weight_version"] for r in steps] == list(range(len(steps)))
-    assert not any(r["skipped"] for r in steps)
+    skipped = [r for r in steps if r["skipped"]]
+    assert not any(r["nonfinite"] for r in steps)
+    if cfg.precision.spec.loss_scaling:
+        # FP16's dynamic loss scaler (from 2^16) skips a step whose scaled gradients overflowed and
+        # halves its scale; when that happens depends on the run's arithmetic (it differs between
+        # CPUs), so a skip is allowed, but only as an overflow: no gradient norm was taken
+        assert all(r["grad_norm"] is None or not math.isfinite(r["grad_norm"]) for r in skipped), skipped
+    else:
+        assert not skipped, skipped
 
 
 def test_rollouts_from_other_weights_are_caught(easy):
