@@ -25,6 +25,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class AdamWHyper:
@@ -78,3 +80,13 @@ def constants(h: AdamWHyper) -> tuple[float, ...]:
     """The 8 constants a kernel reads for one piece (``CONSTANTS`` and a pad)."""
     c = h.scalars()
     return tuple(c[k] for k in CONSTANTS) + (0.0,)
+
+
+def distinct_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct entries of ``values`` (rows, for a 2-D array), sorted, and each entry's index
+    among them: how a step finds its few AdamW settings. One comparison when every entry is the
+    same (the usual step)."""
+    if len(values) and (values == values[0]).all():
+        return values[:1], np.zeros(len(values), dtype=np.int64)
+    uniq, index = np.unique(values, axis=0, return_inverse=True)
+    return uniq, index.reshape(-1)

@@ -143,7 +143,7 @@ class AdamWPlan:
         if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
             raise TypeError("fused AdamW: grad_scale must be a one-element float32 tensor")
         if live is ...:
-            live = None if not any(map(is_, grads, repeat(None))) else [i for i, g in enumerate(grads) if g is not None]
+            live = live_pieces(grads)
         self.grad_dtypes = None  # the dtypes of the step's gradients, when every piece steps
         if live is None:
             grads = self._check_grads(grads)
@@ -211,6 +211,14 @@ class AdamWPlan:
             scale = None if grad_scale is not None else hypers[slots[i]].grad_scale
             groups.setdefault((pc.pure, pc.exp_avg.dtype == torch.bfloat16, scale), []).append(i)
         return groups
+
+
+def live_pieces(grads: Sequence[torch.Tensor | None]) -> np.ndarray | None:
+    """The indices of the pieces with a gradient, or None when every piece has one (one C-level
+    pass on the usual step)."""
+    if not any(map(is_, grads, repeat(None))):
+        return None
+    return np.asarray([i for i, g in enumerate(grads) if g is not None], dtype=np.int64)
 
 
 def _validate(pc: AdamWPiece) -> None:

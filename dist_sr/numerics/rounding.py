@@ -122,14 +122,12 @@ class RoundingBatch:
         self.names = [job.param for job in self.jobs]
         self.offsets = [job.offset for job in self.jobs]
         self.rows = [_rows(job) for job in self.jobs]
+        self._tensors = [t for job in self.jobs for t in (job.x, job.out)]
         self._prepare()
 
     def _addresses(self) -> list[int]:
-        """Every piece's input and output address (C-level passes: checked on every ``run``)."""
-        tensors = self.__dict__.get("_tensors")
-        if tensors is None:
-            tensors = self._tensors = [t for job in self.jobs for t in (job.x, job.out)]
-        return list(map(torch.Tensor.data_ptr, tensors))
+        """Every piece's input and output address (one C-level pass: checked on every ``run``)."""
+        return list(map(torch.Tensor.data_ptr, self._tensors))
 
     def _prepare(self) -> None:
         self._seen = self._addresses()

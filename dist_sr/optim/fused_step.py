@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import is_
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from ..numerics.adamw import AdamWHyper
+from ..numerics.adamw import AdamWHyper, distinct_rows
+from ..numerics.fused import live_pieces
 
 
 def hyper_slots(groups: list[dict], group_of: np.ndarray, steps: np.ndarray,
@@ -19,11 +18,7 @@ def hyper_slots(groups: list[dict], group_of: np.ndarray, steps: np.ndarray,
     piece's row among them (0 for a piece without a gradient). ``live``: the stepping pieces'
     indices, None for all. Array work: the host cost barely grows with the number of pieces."""
     g, s = (group_of, steps) if live is None else (group_of[live], steps[live])
-    if len(g) and g.min() == g.max() and s.min() == s.max():  # the usual step: one setting
-        pairs, rows = np.asarray([[g[0], s[0]]]), np.zeros(len(g), dtype=np.int64)
-    else:
-        pairs, rows = np.unique(np.stack([g, s], axis=1), axis=0, return_inverse=True)
-        rows = rows.reshape(-1)
+    pairs, rows = distinct_rows(np.stack([g, s], axis=1))
     hypers = []
     for gi, step in pairs.tolist():
         group = groups[gi]
@@ -35,20 +30,13 @@ def hyper_slots(groups: list[dict], group_of: np.ndarray, steps: np.ndarray,
     return slots, hypers
 
 
-def live_pieces(grads: list) -> np.ndarray | None:
-    """The indices of the pieces with a gradient, or None when every piece has one."""
-    if not any(map(is_, grads, repeat(None))):
-        return None
-    return np.asarray([i for i, g in enumerate(grads) if g is not None], dtype=np.int64)
-
-
 class FusedAdamWSteps:
     """``step()`` for an optimizer that provides: ``_counter`` (a ``StepCounter``), ``seed``,
     ``mode``, ``_fused_groups`` (its AdamW param groups), ``_group_of`` (each piece's group, an
     int array), ``_ensure_plan()``, ``_grads()`` (each piece's gradient or None),
     ``_advance_adam_steps(live)`` (advance Adam's step of pieces ``live``, None for all, and
     return every piece's, an int64 array); optionally ``_grad_scale`` (a device tensor from
-    gradient clipping, used once) and ``_after_step(grads)``. A capturable optimizer keys the step
+    gradient clipping, used once) and ``_after_step(live)`` (``live`` as above). A capturable optimizer keys the step
     on its device counter, so the step replays from a CUDA graph; every piece then steps."""
 
     _grad_scale: torch.Tensor | None = None
@@ -78,8 +66,8 @@ class FusedAdamWSteps:
             slots, hypers = hyper_slots(groups, self._group_of, self._advance_adam_steps(live), live)
             plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode,
                        grad_scale=scale, live=live)
-        self._after_step(grads)
+        self._after_step(live)
         return loss
 
-    def _after_step(self, grads: list) -> None:
+    def _after_step(self, live: np.ndarray | None) -> None:
         """Called after every step (plain or capturable)."""

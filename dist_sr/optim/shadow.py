@@ -7,7 +7,6 @@ weights become ``round(shadow)`` under the rounding key (seed, step, parameter n
 
 from __future__ import annotations
 
-from itertools import repeat
 from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable
 
@@ -420,14 +419,12 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
             self._adam_steps[live] += 1
         return self._adam_steps  # mirrors state["step"] (advanced in _after_step), read when the plan is built
 
-    def _after_step(self, grads: list) -> None:
+    def _after_step(self, live) -> None:
         """Advance torch.optim.AdamW's per-parameter step tensors (checkpoints interchange)."""
         if self._counter.capturable:
             torch._foreach_add_(self._device_steps, 1.0)
             return
-        if not any(map(is_, grads, repeat(None))):
+        if live is None:
             self._step_buffer.add_(1.0)
-            return
-        live = [i for i, g in enumerate(grads) if g is not None]
-        if live:
+        elif len(live):
             self._step_buffer[live] += 1.0

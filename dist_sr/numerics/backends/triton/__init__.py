@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from ...adamw import constants
+from ...adamw import constants, distinct_rows
 from ...key import signed64, stream_key
 from .. import KeyStep
 
@@ -54,7 +54,7 @@ class TritonBackend:
     def round_batch(self, batch, idx, keys, device_step=None) -> None:
         from . import launch
 
-        keyed = keys is not None or device_step is not None
+        keyed = keys is not None
         split = batch.launches.get(("triton-split", keyed, tuple(idx)))
         if split is None:  # the batch's pieces are fixed: which take their own launch is decided once
             own = [i for i in idx if keyed and batch.rows[i] is not None]  # keyed strided shards
@@ -96,7 +96,8 @@ class TritonBackend:
                                             names=names)
                 plan.launches[(pure, tuple(sel))] = cached
             every = len(sel) == len(grads)  # the usual step: every piece, in order
-            used, rows = _rows(slots if every else slots[sel])
+            used, rows = distinct_rows(slots if every else slots[sel])
+            used = used.tolist()
             sel_grads = grads if every else [grads[i] for i in sel]
             device = plan.pieces[sel[0]].p.device
             scale_t = grad_scale.reshape(1) if scale is None else launch.scale_tensor(scale, device)
@@ -111,14 +112,6 @@ class TritonBackend:
                        dtypes=plan.grad_dtypes if every else None)
                 continue
             cached(sel_grads, None if keys is None else keys[:, sel], rows, consts, scale_t)
-
-
-def _rows(slots: np.ndarray) -> tuple[list[int], np.ndarray]:
-    """The hyper-parameter slots in use and each piece's row among them (array work)."""
-    if len(slots) and slots.min() == slots.max():
-        return [int(slots[0])], np.zeros(len(slots), dtype=np.int64)
-    used, rows = np.unique(slots, return_inverse=True)
-    return used.tolist(), rows.reshape(-1)
 
 
 BACKEND = TritonBackend()
