@@ -80,7 +80,13 @@ class VLLMControl:
         self._post("/reset_prefix_cache")
 
     def report(self) -> list[dict]:
-        return self._post("/collective_rpc", {"method": "dist_sr_weight_report"})["results"]
+        """Each worker's ``dist_sr_weight_report``; a worker that answers something else (vLLM
+        passes on whatever the worker returned) is an engine error."""
+        results = self._post("/collective_rpc", {"method": "dist_sr_weight_report"}).get("results")
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise EngineError(f"{self.name}/collective_rpc: the workers' weight reports are {results!r}, not "
+                              "reports (is the worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)")
+        return results
 
     def resume(self) -> None:
         self._post("/resume")

@@ -76,12 +76,23 @@ def install_load_recorder() -> None:
     DefaultModelLoader.load_weights = load_weights
 
 
+_not_recorded: list[str] = []  # why this process records no loads (the plugin's capability check)
+
+
+def not_recorded(reason: str) -> None:
+    """Say why this process cannot record loads: ``report`` then answers with the reason."""
+    _not_recorded.append(reason)
+
+
 def report(model: torch.nn.Module) -> dict:
     """``{"method", "digests"}`` of what ``model`` holds, from its load record."""
     record = load_record(model)
     if record is None:
-        raise RuntimeError("this engine's loads were not recorded: dist-sr's vLLM plugin must be installed where "
-                           "vLLM runs (pip install dist-sr), and the model loaded by vLLM's default loader")
+        if _not_recorded:
+            raise RuntimeError(f"this engine's loads were not recorded: {_not_recorded[-1]}")
+        raise RuntimeError("this engine's loads were not recorded: dist-sr's vLLM plugin was not loaded in this "
+                           "process (pip install dist-sr where vLLM runs, and keep VLLM_PLUGINS unset or naming "
+                           "dist_sr), or the model was not loaded by vLLM's default loader")
     return {"method": "recorded at load", "digests": _hex(record.entries)}
 
 

