@@ -410,3 +410,42 @@ def test_a_checkpoint_planted_without_the_secret_is_never_unpickled(tmp_path):
     (step2 / "MANIFEST.json").write_text(json.dumps({"sha256": files}))
     run_workers(_manifest_load_worker, 2, tmp_path, "MANIFEST.json is not signed")
     assert not marker.exists()
+
+
+def _materialised_worker(rank, world_size):
+    """verl's FSDP2 build: rank 0 holds the weights, the others build on the meta device; the
+    model is wrapped, sharded, materialised (``to_empty`` / ``to``) and loaded from rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_sr.engines import fsdp2
+
+    if rank == 0:
+        model = tiny_qwen2()
+    else:
+        with torch.device("meta"):
+            model = tiny_qwen2()
+    full = model.state_dict()
+    ctx = fsdp2.prepare(model, seed=SEED)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
+    fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
+    model = model.to("cpu") if rank == 0 else model.to_empty(device="cpu")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    ctx.masters_changed()
+    assert all(isinstance(p.to_local(), fsdp2.SRShadowParam) for p in model.parameters())
+    masters = fsdp2.full_master(model)
+    assert torch.equal(masters["lm_head.weight"], tiny_qwen2().lm_head.weight.detach())  # rank 0's weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ctx.track(opt)
+    train(model, opt, 2)
+    assert all(type(s).__name__ != "SRShadowParam" for st in opt.state.values() for s in st.values())  # moments plain
+    masters = fsdp2.full_master(model)
+    working = capture_working(model)
+    for name, master in masters.items():
+        expected = stochastic_round(master, seed=SEED, step=2, param=name)
+        assert torch.equal(working[name].view(torch.int16), expected.view(torch.int16)), name
+
+
+def test_a_model_materialised_after_wrapping_keeps_rounding_with_the_key_on_every_rank():
+    run_workers(_materialised_worker, 2)

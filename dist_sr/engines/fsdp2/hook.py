@@ -100,14 +100,16 @@ class SRContext:
         self.version += 1
 
 
-# ops whose tensor outputs stay SR shadows: the views and the padded copy FSDP2 makes of the
-# parameter while sharding it. Everything else (optimizer states from zeros_like, clones, math)
-# comes out as plain tensors.
+# ops whose FP32 tensor outputs stay SR shadows: the views and the padded copy FSDP2 makes of the
+# parameter while sharding it, and the parameter moved to another device (``module.to(device)``,
+# FSDP2's own move to the mesh's device, verl's ``to_empty`` of meta-initialised ranks: without
+# these the wrapper would be lost and the all-gather would cast round-to-nearest). Everything
+# else (optimizer states from zeros_like, clones, math, casts to BF16) comes out plain.
 _KEEP = {
     aten.view.default, aten._unsafe_view.default, aten.split.Tensor, aten.split_with_sizes.default,
     aten.chunk.default, aten.slice.Tensor, aten.narrow.default, aten.as_strided.default,
     aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
-    aten.detach.default, aten.alias.default,
+    aten.detach.default, aten.alias.default, aten._to_copy.default, aten.empty_like.default,
 }
 
 

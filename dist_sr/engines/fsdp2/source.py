@@ -98,15 +98,21 @@ class FSDP2Source:
             offset, bits = self._rounded_local(n, params, replica_slot(params[n]))
             yield LocalPiece(n, offset, offset + bits.numel(), bits.reshape(-1))
 
-    def full(self, name: str, params: dict | None = None) -> torch.Tensor:
-        """The full working weight ``name`` on every rank (collective: every rank calls it)."""
+    def working(self, name: str, params: dict | None = None) -> torch.Tensor:
+        """The working weight ``name`` sharded as its master is: a BF16 DTensor over this rank's
+        keyed bits (nothing gathered), or the plain tensor of an unsharded parameter."""
         params = self.params if params is None else params
         p = params[name]
         _, bits = self._rounded_local(name, params)
         if not isinstance(p, DTensor):
             return bits.view(p.shape)
         return DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape,
-                                  stride=p.stride()).full_tensor()
+                                  stride=p.stride())
+
+    def full(self, name: str, params: dict | None = None) -> torch.Tensor:
+        """The full working weight ``name`` on every rank (collective: every rank calls it)."""
+        w = self.working(name, params)
+        return w.full_tensor() if isinstance(w, DTensor) else w
 
     def gather(self, names):
         out, params = {}, self.params
