@@ -21,7 +21,8 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
 
-def test_a_config_without_the_block_passes_through_untouched(tmp_path):
+def test_a_config_without_the_block_passes_through_untouched(tmp_path, monkeypatch):
+    monkeypatch.delenv("DIST_SR_SEED", raising=False)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(BASE))
     args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
@@ -50,6 +51,32 @@ def test_the_block_is_found_wherever_deepspeed_looks_and_removed(where, tmp_path
     new_args = kw.get("args", pos[0] if pos else None)
     assert getattr(new_args, "deepspeed_config", None) is None and getattr(new_args, "deepscale_config", None) is None
     assert args.deepspeed_config is None or args.deepspeed_config == str(path)  # the caller's args are not mutated
+
+
+def test_the_jobs_environment_turns_sr_on_for_a_config_without_the_block(tmp_path, monkeypatch):
+    """Frameworks that build the DeepSpeed config themselves (OpenRLHF) get SR from DIST_SR_SEED."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BASE))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    monkeypatch.setenv("DIST_SR_SEED", "77")
+    sr, a, kw = take_sr_block((args,), {"model": "m"})
+    assert (sr.seed, sr.mode) == (77, "stochastic") and a[0] is args and kw == {"model": "m"}  # the call as it was
+    monkeypatch.setenv("DIST_SR_MODE", "dither")
+    assert take_sr_block((), {"config": dict(BASE)})[0].mode == "dither"
+    monkeypatch.delenv("DIST_SR_MODE")
+    # the block and the environment may both be given only if they agree
+    assert take_sr_block((), {"config": {**BASE, "stochastic_rounding": SR}})[0].seed == 77
+    for block in ({**SR, "seed": 78}, {**SR, "enabled": False}):
+        with pytest.raises(ValueError, match="DIST_SR_SEED=77.*make them agree"):
+            take_sr_block((), {"config": {**BASE, "stochastic_rounding": block}})
+    for bad, words in (("x", "DIST_SR_SEED='x' is not an integer"), ("-3", "DIST_SR_SEED/DIST_SR_MODE: seed")):
+        monkeypatch.setenv("DIST_SR_SEED", bad)
+        with pytest.raises(ValueError, match=words):
+            take_sr_block((), {"config": dict(BASE)})
+    monkeypatch.setenv("DIST_SR_SEED", "5")
+    monkeypatch.setenv("DIST_SR_MODE", "sometimes")
+    with pytest.raises(ValueError, match="DIST_SR_MODE"):
+        take_sr_block((), {"config": dict(BASE)})
 
 
 def test_a_config_given_twice_is_left_to_deepspeeds_own_error(tmp_path):
@@ -131,16 +158,20 @@ def installed_hook():
 def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, installed_hook):
     (tmp_path / "train.py").write_text(USER_SCRIPT)
     (tmp_path / "ds.json").write_text(json.dumps({**BASE, "stochastic_rounding": SR}))
-    env = launcher_env()
+    (tmp_path / "plain.json").write_text(json.dumps(BASE))
+    env = {k: v for k, v in launcher_env().items() if k not in ("DIST_SR_SEED", "DIST_SR_MODE")}
     results = {}
-    for label, switch in (("hook", "1"), ("off", "0")):
+    # the block in the JSON; no block but the job's DIST_SR_SEED (OpenRLHF's switch); the hook off
+    for label, config, extra in (("hook", "ds.json", {"DIST_SR_DEEPSPEED_HOOK": "1"}),
+                                 ("env", "plain.json", {"DIST_SR_SEED": "77"}),
+                                 ("off", "ds.json", {"DIST_SR_DEEPSPEED_HOOK": "0"})):
         out = tmp_path / f"{label}.json"
         r = subprocess.run(["deepspeed", "--num_gpus=2", f"--master_port={free_port()}", "train.py", "--deepspeed",
-                            "--deepspeed_config", "ds.json", "--out", str(out)], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env={**env, "DIST_SR_DEEPSPEED_HOOK": switch})
+                            "--deepspeed_config", config, "--out", str(out)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env={**env, **extra})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         results[label] = json.loads(out.read_text())
-    assert results["hook"] == {"attached": True, "keyed": True, "rtn": False}
+    assert results["hook"] == results["env"] == {"attached": True, "keyed": True, "rtn": False}
     # without the hook DeepSpeed ignores the block: round-to-nearest, which is why the hook exists
     assert results["off"] == {"attached": False, "keyed": False, "rtn": True}
 

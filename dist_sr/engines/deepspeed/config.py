@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,44 @@ class SRConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "SRConfig":
         return load_section(cls, data, CONFIG_KEY)
+
+
+SEED_ENV, MODE_ENV = "DIST_SR_SEED", "DIST_SR_MODE"
+
+
+def env_config(env=None) -> SRConfig | None:
+    """The SR block a job turns on from its environment (``DIST_SR_SEED``, and ``DIST_SR_MODE``,
+    default ``stochastic``) for frameworks that build the DeepSpeed config themselves and offer
+    no way to add a key (OpenRLHF); None when ``DIST_SR_SEED`` is unset or empty."""
+    env = os.environ if env is None else env
+    raw = env.get(SEED_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        seed = int(raw)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV}={raw!r} is not an integer; set it to the rounding key's seed (e.g. 1234), or "
+                         "unset it") from None
+    try:
+        return SRConfig(seed=seed, mode=env.get(MODE_ENV, "stochastic") or "stochastic")
+    except ValueError as exc:
+        raise ValueError(f"{SEED_ENV}/{MODE_ENV}: {exc}") from None
+
+
+def agree_with_env(sr: SRConfig | None, block_present: bool, env=None) -> SRConfig | None:
+    """The SR setting of one ``deepspeed.initialize`` call: the config's block (``sr``, None if
+    absent or disabled) or, without a block, the environment's. A block and an environment that
+    say different things is an error naming both (which one was meant cannot be known)."""
+    from_env = env_config(env)
+    if from_env is None:
+        return sr
+    if not block_present:
+        return from_env
+    if sr is None or (sr.seed, sr.mode) != (from_env.seed, from_env.mode):
+        said = "disables SR" if sr is None else f"says seed {sr.seed}, mode {sr.mode}"
+        raise ValueError(f"the DeepSpeed config's \"{CONFIG_KEY}\" block {said}, but {SEED_ENV}={from_env.seed} "
+                         f"({MODE_ENV}={from_env.mode}) is set: make them agree, or drop one of the two")
+    return sr
 
 
 def split_config(config: dict | str | Path) -> tuple[dict, SRConfig | None]:

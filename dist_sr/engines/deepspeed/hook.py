@@ -43,7 +43,7 @@ import torch
 from ...numerics import RoundingBatch, RoundingJob, live, stochastic_round
 from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
-from .config import CONFIG_KEY, SRConfig, load_ds_config, split_config
+from .config import CONFIG_KEY, SRConfig, agree_with_env, load_ds_config, split_config
 from .version import UnsupportedDeepSpeed, check_universal_reload, check_version
 
 log = logging.getLogger("dist_sr.deepspeed")
@@ -103,7 +103,8 @@ def untrained(engine) -> str | None:
 
 def take_sr_block(args: tuple, kwargs: dict) -> tuple[SRConfig | None, tuple, dict]:
     """Find the DeepSpeed config the way ``deepspeed.initialize`` does; if it has our block, return
-    it and the call's arguments with the block removed."""
+    it and the call's arguments with the block removed. A config without the block takes the
+    job's environment (``DIST_SR_SEED``/``DIST_SR_MODE``, ``config.env_config``)."""
     ds_args = kwargs["args"] if "args" in kwargs else (args[0] if args else None)
     from_args = None
     for attr in ("deepspeed_config", "deepscale_config"):
@@ -120,9 +121,10 @@ def take_sr_block(args: tuple, kwargs: dict) -> tuple[SRConfig | None, tuple, di
         return None, args, kwargs
     if not isinstance(config, dict):
         config = load_ds_config(config)
-    if CONFIG_KEY not in config:
-        return None, args, kwargs
+    if CONFIG_KEY not in config:  # the job's environment may still turn SR on (DIST_SR_SEED)
+        return agree_with_env(None, False), args, kwargs
     config, sr = split_config(config)
+    sr = agree_with_env(sr, True)
     kwargs = {k: v for k, v in kwargs.items() if k != "config_params"}
     kwargs["config"] = config  # the block disabled still has to go: DeepSpeed would ignore it anyway
     if from_args is not None:
