@@ -1,6 +1,7 @@
 """TRL: keyed SR for ``GRPOTrainer`` (and the other TRL trainers that push weights to vLLM
-through ``trl.generation.vllm_generation.VLLMGeneration``), with one call between building the
-trainer and training it:
+through ``trl.generation.vllm_generation.VLLMGeneration``, and the experimental
+``AsyncGRPOTrainer``, whose ``_streaming_iter`` is routed the same way), with one call between
+building the trainer and training it:
 
     trainer = GRPOTrainer(model=..., args=GRPOConfig(..., bf16=True, deepspeed="ds.json"), ...)
     dist_sr.integrations.trl.enable(trainer, seed=1234)
@@ -260,3 +261,36 @@ def route_vllm_exports(accelerator, callback: DistSRCallback) -> None:
 
     _iter_named_params.__dist_sr__ = True
     VLLMGeneration._iter_named_params = _iter_named_params
+    _route_async_grpo()
+
+
+def _route_async_grpo() -> None:
+    """``trl.experimental.async_grpo.AsyncGRPOTrainer`` streams ``full_tensor()`` masters to vLLM
+    from ``_streaming_iter``: route each through ``export_bf16`` too, in the dtype its weight
+    manifest announced (keyed BF16 upcast to FP32 is exact, and so is vLLM's cast back)."""
+    try:
+        from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+    except ImportError:  # a TRL without the experimental trainer
+        return
+    original = AsyncGRPOTrainer._streaming_iter
+    if getattr(original, "__dist_sr__", False):
+        return
+
+    def _streaming_iter(self):
+        callback = _ENABLED.get(self.accelerator)
+        if callback is None:
+            yield from original(self)
+            return
+        wire = _manifest_dtypes(getattr(self, "weight_transfer", None))
+        for name, full in original(self):
+            yield name, export_bf16(name, full, key=callback.ctx).to(wire.get(name, full.dtype))
+
+    _streaming_iter.__dist_sr__ = True
+    AsyncGRPOTrainer._streaming_iter = _streaming_iter
+
+
+def _manifest_dtypes(weight_transfer) -> dict[str, torch.dtype]:
+    """``{name: dtype}`` of the manifest TRL's ``WeightTransferClient`` sent the server (rank 0),
+    or empty (other ranks, whose stream is only iterated for the collectives)."""
+    info = getattr(weight_transfer, "_weight_update_info", None) or {}
+    return {n: getattr(torch, d) for n, d in zip(info.get("names", ()), info.get("dtype_names", ()))}

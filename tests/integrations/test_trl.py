@@ -71,6 +71,7 @@ def _fsdp2_worker(rank, world_size):
 
     from dist_sr import stochastic_round
     from dist_sr.engines import fsdp2
+    from dist_sr.engines.fsdp2.source import reshard_all
     from dist_sr.integrations import trl as dsr_trl
     from tests.engines.models import tiny_qwen2
     from tests.engines.test_fsdp2 import capture_working, train
@@ -112,6 +113,21 @@ def _fsdp2_worker(rank, world_size):
     assert sorted(pushed) == sorted(expected) == sorted(working)
     for n in expected:
         assert torch.equal(bits(pushed[n]), bits(expected[n])) and torch.equal(bits(working[n]), bits(expected[n])), n
+    # AsyncGRPOTrainer streams full_tensor() masters from _streaming_iter, in its manifest's dtypes
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, _iter_vllm_named_params
+
+    async_trainer = AsyncGRPOTrainer.__new__(AsyncGRPOTrainer)
+    async_trainer.model, async_trainer.accelerator = model, accelerator
+    reshard_all(model)  # the FP32 masters, as its __init__ sees the parameters (the forward above left them gathered)
+    manifest = [(n, str(p.dtype).split(".")[-1]) for n, p in _iter_vllm_named_params(model)]  # as its __init__ does
+    async_trainer.weight_transfer = type("Client", (), {"_weight_update_info": {
+        "names": [n for n, _ in manifest], "dtype_names": [d for _, d in manifest]}})()
+    streamed = {n: t.clone() for n, t in async_trainer._streaming_iter()}
+    assert sorted(streamed) == sorted(expected)
+    for n, d in manifest:  # the manifest's FP32, holding exactly the keyed BF16 values vLLM's cast keeps
+        assert streamed[n].dtype == getattr(torch, d) == torch.float32, n
+        assert torch.equal(bits(streamed[n].to(torch.bfloat16)), bits(expected[n])), n
+        assert torch.equal(streamed[n], expected[n].float()), n
     assert callback.unfollowed_frac() is None  # the first call only takes the reference
     train(model, opt, 2)
     assert abs(callback.unfollowed_frac()) < 0.05  # SR follows the masters (RTN that sticks: ~1)
