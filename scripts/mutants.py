@@ -213,6 +213,18 @@ MUTANTS = [
     Mutant("trl-resume-restarts-the-key", "integrations: TRL", "dist_sr/integrations/trl.py",
            "self.ctx.step = int(state.global_step)", "self.ctx.step = self.ctx.step",
            ("tests/integrations/test_trl.py::test_fsdp2_trl_export_pushes_the_keyed_bits_not_the_masters",)),
+    Mutant("fsdp2-wrapper-lost-on-device-move", "engines: FSDP2 hook", "dist_sr/engines/fsdp2/hook.py",
+           " aten._to_copy.default, aten.empty_like.default,", "",
+           ("tests/engines/test_fsdp2.py::"
+            "test_a_model_materialised_after_wrapping_keeps_rounding_with_the_key_on_every_rank",)),
+    Mutant("deepspeed-environment-switch-ignored", "engines: DeepSpeed config", "dist_sr/engines/deepspeed/config.py",
+           "    if not block_present:\n        return from_env", "    if not block_present:\n        return None",
+           ("tests/engines/test_deepspeed_hook.py::"
+            "test_the_jobs_environment_turns_sr_on_for_a_config_without_the_block",)),
+    Mutant("async-grpo-stream-not-routed", "integrations: TRL", "dist_sr/integrations/trl.py",
+           "yield name, export_bf16(name, full, key=callback.ctx).to(wire.get(name, full.dtype))",
+           "yield name, full",
+           ("tests/integrations/test_trl.py::test_fsdp2_trl_export_pushes_the_keyed_bits_not_the_masters",)),
     Mutant("held-record-skips-the-cast", "rollout: vLLM held weights", "dist_sr/rollout/vllm/held.py",
            "stored = stored.to(self.dtype)", "stored = stored",
            ("tests/rollout/test_held_record.py::test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on",)),
