@@ -21,8 +21,18 @@ import yaml
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-class ConfigError(ValueError):
+class Refusal(Exception):
+    """A refusal the project raises on purpose: the message names the problem and the fix, and the
+    command line prints it as one line (``what``: its kind) instead of a traceback. A crash in the
+    project's own code is anything else, and keeps its traceback."""
+
+    what = "refused"
+
+
+class ConfigError(Refusal, ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
+
+    what = "config error"
 
 
 def check_fields(cls, data: dict, where: str = "", kind: str = "") -> None:

@@ -16,6 +16,7 @@ turns a model and an optimizer class into a ``TrainingPrecision`` that runs back
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -24,7 +25,7 @@ import torch
 import yaml
 from torch import nn
 
-from .config import check_fields
+from .config import Refusal, check_fields
 from .numerics import backends
 from .optim import AdamWSR, DynamicLossScaler, ShadowOptimizer, StickingMeter
 from .replica import combined_digest, weight_digests
@@ -78,8 +79,14 @@ _ONLY_FOR = {
 }
 
 
-class PrecisionConfigError(ValueError):
-    pass
+class PrecisionConfigError(Refusal, ValueError):
+    """A precision setting is wrong (the config loader prefixes the field's path)."""
+
+    what = "config error"
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,13 @@ class PrecisionConfig:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
             raise PrecisionConfigError(f"precision.seed must be an int in [0, 2^64), got {self.seed!r}")
-        if not (self.loss_scale == "dynamic" or (isinstance(self.loss_scale, (int, float)) and self.loss_scale > 0)):
-            raise PrecisionConfigError(f"precision.loss_scale must be 'dynamic' or a number > 0, got {self.loss_scale!r}")
+        if not (self.loss_scale == "dynamic" or _positive_finite(self.loss_scale)):
+            raise PrecisionConfigError(f"precision.loss_scale must be 'dynamic' or a finite number > 0, got "
+                                       f"{self.loss_scale!r}")
+        if not _positive_finite(self.initial_loss_scale) or self.initial_loss_scale > 2.0**64:
+            raise PrecisionConfigError(f"precision.initial_loss_scale must be a finite number in (0, 2^64], got "
+                                       f"{self.initial_loss_scale!r} (a NaN or zero scale skips every step); the "
+                                       "usual start is 65536")
         if self.moment_dtype not in ("fp32", "bf16"):
             raise PrecisionConfigError(f"precision.moment_dtype must be 'fp32' or 'bf16', got {self.moment_dtype!r}")
         if self.backend not in backends.names():

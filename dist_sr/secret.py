@@ -7,11 +7,15 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from .config import Refusal
+
 MIN_BYTES = 16  # shortest secret accepted
 
 
-class SecretMissing(RuntimeError):
+class SecretMissing(Refusal, RuntimeError):
     """This process has no secret but needs one (or cannot read the one it was pointed at)."""
+
+    what = "secret"
 
 
 def read(name: str, *, what: str, env: Mapping[str, str] | None = None) -> tuple[bytes, str] | None:

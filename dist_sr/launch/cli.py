@@ -15,7 +15,7 @@ import sys
 
 import dist_sr_deepspeed_hook
 
-from ..config import ConfigError, parse_overrides
+from ..config import parse_overrides
 from ..numerics.key import normalize_param_name, stream_key
 from ..rl.compare import load_compare, run_comparison, write_report
 from . import k8s, planner
@@ -63,18 +63,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.config = args.config or args.config_file
         return planner.run(args, prog="dist-sr train")
-    try:
-        if args.command == "compare":
-            cfg = load_compare(args.config, parse_overrides(args.set))
-            report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
-            print(report.read_text())
-            print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")
-        elif args.command == "key":
-            key = stream_key(seed=args.seed, step=args.step, param=args.name, mode=args.mode)
-            print(f"{normalize_param_name(args.name)} {key:016x}")
-    except ConfigError as exc:
-        print(f"dist-sr: config error: {exc}", file=sys.stderr)
-        return 2
+    return planner.refusing("dist-sr", _command, args)
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "compare":
+        cfg = load_compare(args.config, parse_overrides(args.set))
+        report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
+        print(report.read_text())
+        print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")
+    elif args.command == "key":
+        key = stream_key(seed=args.seed, step=args.step, param=args.name, mode=args.mode)
+        print(f"{normalize_param_name(args.name)} {key:016x}")
     return 0
 
 

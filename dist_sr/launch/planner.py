@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..config import ConfigError, parse_overrides
+from ..config import ConfigError, Refusal, parse_overrides
 from ..engines import engine_names, init_distributed
 from ..engines.deepspeed.config import hyperparameter_conflicts, precision_of_config, shared_hyperparameters
 from ..engines.fsdp2.config import FSDP2Config
@@ -220,13 +220,25 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
+def refusing(prog: str, fn, *args, **kwargs) -> int:
+    """Run ``fn``; the project's own refusals (``dist_sr.config.Refusal``: a bad config, a missing
+    secret, an unusable run directory, a checkpoint that does not verify, a model too large, a run
+    that stopped training) become one line naming the problem and the fix, exit status 2. Anything
+    else is a crash and keeps its traceback. Every command-line entry point goes through here."""
+    try:
+        return fn(*args, **kwargs)
+    except Refusal as exc:
+        print(f"{prog}: {exc.what}: {exc}", file=sys.stderr)
+        return 2
+
+
 def run(args: argparse.Namespace, prog: str = "launch/train.py") -> int:
     """Plan, then train on this process's share of the world (every entry point ends here)."""
-    try:
-        p = plan(args)
-    except ConfigError as exc:
-        print(f"{prog}: config error: {exc}", file=sys.stderr)
-        return 2
+    return refusing(prog, _run, args, prog)
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
+    p = plan(args)
     if p.rank == 0 or args.dry_run:
         print(f"dist-sr launch: {p.describe()}", flush=True)
     if args.dry_run:
@@ -239,9 +251,6 @@ def run(args: argparse.Namespace, prog: str = "launch/train.py") -> int:
     try:
         init_distributed(p.engine, p.backend)
         path = train(p.config, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
-    except ConfigError as exc:
-        print(f"{prog}: config error: {exc}", file=sys.stderr)
-        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..config import Refusal
+
 GROUP_PORT = 29600   # trainer rank 0 hosts the weight-transfer groups' store here by default
 TIMEOUT_S = 120.0    # default per collective and per control call
 MAX_TIMEOUT_S = 3600.0  # the longest per-call timeout an engine accepts
@@ -18,8 +20,10 @@ class EngineError(RuntimeError):
     """An engine failed a control call or a collective (the message starts with its name)."""
 
 
-class NoReadyEngineError(RuntimeError):
-    pass
+class NoReadyEngineError(Refusal, RuntimeError):
+    """No rollout engine holds the trainer's verified weights (the message names them and why)."""
+
+    what = "no rollout engine"
 
 
 class ControlPlane(Protocol):

@@ -3,14 +3,16 @@ any other version is refused before anything is patched."""
 
 from __future__ import annotations
 
+from ...config import Refusal
+
 TESTED = ((0, 19, 5), (0, 20, 0))  # [low, high): the DeepSpeed versions whose internals were tested
 # Older DeepSpeed reloads universal checkpoints of unevenly sharded parameters with other FP32
 # masters than were saved (tested: test_universal_checkpoint_reloads_at_another_world_size...)
 UNIVERSAL_RELOAD = (0, 19, 7)
 
 
-class UnsupportedDeepSpeed(RuntimeError):
-    pass
+class UnsupportedDeepSpeed(Refusal, RuntimeError):
+    what = "unsupported DeepSpeed"
 
 
 def version_tuple(version: str | None = None) -> tuple[int, ...]:
