@@ -4,7 +4,8 @@ cleanup, no flush). Unset, a point costs one dictionary lookup.
 
 Points: ``checkpoint.written`` (new checkpoint on disk under a temporary name),
 ``checkpoint.rotated`` (the old one moved aside, the new one not yet in place),
-``checkpoint.done``, ``metrics.written`` (a step's record appended), ``sync.bucket`` (a weight
+``checkpoint.done``, ``checkpoint.quarantined`` (a refused checkpoint moved to ``refused/``,
+its reason not yet written), ``metrics.written`` (a step's record appended), ``sync.bucket`` (a weight
 sync between two buckets).
 """
 

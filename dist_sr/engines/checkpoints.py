@@ -12,7 +12,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .. import secret
+from .. import faults, secret
+from ..config import Refusal
 
 KEEP_CHECKPOINTS = 2  # step directories kept under <run>/deepspeed/ and <run>/fsdp2/
 
@@ -34,8 +35,10 @@ def write_atomic(path: Path, text: str) -> None:
 MANIFEST = "MANIFEST.json"
 
 
-class CheckpointCorrupt(RuntimeError):
+class CheckpointCorrupt(Refusal, RuntimeError):
     """A checkpoint's files are not the ones written (a flipped byte, a truncated or missing file)."""
+
+    what = "checkpoint refused"
 
 
 def _sha256(path: Path) -> str:
@@ -116,29 +119,61 @@ def step_dirs(root: Path) -> list[Path]:
                   key=lambda d: -int(d.name[4:]))
 
 
+REFUSED = "refused"  # <run>/refused/: checkpoints that failed to load or verify, kept for inspection
+
+
+def quarantine(checkpoint: Path, run_dir: Path, reason: str) -> Path:
+    """Move a refused checkpoint (a file or a step directory) to ``<run_dir>/refused/`` under a name
+    that says what it was and when, with the reason beside it: it can never be loaded, rotated over
+    a good checkpoint or pruned in place of one, and stays for inspection."""
+    from datetime import datetime, timezone
+
+    where = run_dir / REFUSED
+    where.mkdir(exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    kind = checkpoint.parent.name + "-" if checkpoint.parent != run_dir else ""
+    target = where / f"{kind}{checkpoint.name}.{stamp}"
+    os.replace(checkpoint, target)
+    faults.point("checkpoint.quarantined")
+    write_atomic(where / f"{target.name}.why.txt", reason + "\n")
+    return target
+
+
 def choose_verified(root: Path, named: Path, rank: int) -> Path:
     """Collective: the checkpoint to resume, ``named`` (what ``latest`` names) if its files match
     their manifest, else the newest other step directory that does (with a warning naming why the
-    newer ones were refused). Rank 0 verifies the files once and every rank loads its choice."""
+    newer ones were refused). Any failure to read or verify a candidate refuses it. Rank 0
+    verifies the files once; it moves every refused candidate to ``<run>/refused/`` and points
+    ``latest`` at the choice, so the run continues past the refused steps. Every rank loads the
+    choice."""
     import torch.distributed as dist
 
     choice: list = [None, []]
     if rank == 0:
+        refused = []
         for candidate in [named] + [d for d in step_dirs(root) if d != named]:
             try:
                 verify_manifest(candidate)
-            except (CheckpointCorrupt, OSError, ValueError) as exc:
-                choice[1].append(str(exc))
+            except Exception as exc:  # a damaged manifest can fail in any way: the checkpoint is bad
+                reason = f"{candidate.name}: {exc if isinstance(exc, CheckpointCorrupt) else repr(exc)}"
+                choice[1].append(reason)
+                refused.append((candidate, reason))
                 continue
             choice[0] = candidate.name
             break
+        if choice[0] is not None:
+            for candidate, reason in refused:
+                if candidate.exists():
+                    quarantine(candidate, root.parent, reason)
+            if named.name != choice[0]:
+                write_atomic(root / "latest", choice[0])
     dist.broadcast_object_list(choice, src=0)
     chosen, problems = choice
     if chosen is None:
         raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
     if problems and rank == 0:
-        warnings.warn(f"dist_sr: resuming from {root / chosen}; refused newer: {'; '.join(problems)}", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(f"dist_sr: resuming from {root / chosen}; refused newer (moved to {root.parent / REFUSED}): "
+                      f"{'; '.join(problems)}", RuntimeWarning, stacklevel=3)
     return root / chosen
 
 

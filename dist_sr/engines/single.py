@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import warnings
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from ..optim import optimizer_class
 from ..precision import apply_precision
 from ..sources import ReplicatedSource, WeightSource
 from .base import TrainSettings
-from .checkpoints import CheckpointCorrupt, state_digest
+from .checkpoints import REFUSED, CheckpointCorrupt, quarantine, state_digest
 
 
 class SingleEngine:
@@ -87,18 +86,21 @@ class SingleEngine:
         found = [path / n for n in (CHECKPOINT, PREVIOUS) if (path / n).exists()]
         if not found:
             return None
-        problems = []
+        refused = []
         for ckpt in found:
             try:
                 step = self._load_one(ckpt)
-            except (CheckpointCorrupt, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
-                problems.append(f"{ckpt.name}: {exc}")
+            except Exception as exc:  # any failure to read or verify (a damaged pickle fails in any way): refused
+                reason = f"{ckpt.name}: {exc if isinstance(exc, CheckpointCorrupt) else repr(exc)}"
+                refused.append((ckpt, reason))
                 continue
-            if problems:
-                warnings.warn(f"dist_sr: resuming from {ckpt} (step {step}); refused newer: {'; '.join(problems)}",
-                              RuntimeWarning, stacklevel=2)
+            for bad, reason in refused:  # never rotated over the good one, kept for inspection
+                quarantine(bad, path, reason)
+            if refused:
+                warnings.warn(f"dist_sr: resuming from {ckpt} (step {step}); refused newer (moved to {path / REFUSED}): "
+                              f"{'; '.join(r for _, r in refused)}", RuntimeWarning, stacklevel=2)
             return step
-        raise CheckpointCorrupt(f"{path}: no checkpoint verifies: {'; '.join(problems)}")
+        raise CheckpointCorrupt(f"{path}: no checkpoint verifies: {'; '.join(r for _, r in refused)}")
 
     def _load_one(self, ckpt: Path) -> int:
         state = torch.load(ckpt, weights_only=True)

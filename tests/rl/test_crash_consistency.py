@@ -16,6 +16,7 @@ from dist_sr.rl.config import to_dict
 from dist_sr.rl.trainer import read_metrics
 from dist_sr.rl.warmup import warmup_checkpoint
 from dist_sr.rollout.vllm.control import VLLMControl
+from tests.engines.test_checkpoint_fuzz import pickle_region
 from tests.vllm_engines import REPO, free_port, start_receiver
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,26 @@ def test_a_trainer_killed_in_any_checkpoint_or_metrics_write_finishes_the_same_r
         expected = f"resuming {tmp_path / name} from step {max(saved)}" if saved else "starting fresh"
         assert expected in second.stdout, (point, k, saved, second.stdout[-2000:])
         assert _records(tmp_path / name) == straight, (point, k)  # no gap, no duplicate, same numbers
+
+    # a damaged newest checkpoint, then kills at the fallback's rotation points: moving the refused
+    # one aside, and the first save after it; every resume takes the good one and the run ends the same
+    cfg = config("damaged")
+    assert _run(cfg, "metrics.written:6").returncode == -9  # after step 5: checkpoint.pt = 4, prev = 2
+    newest = tmp_path / "damaged" / "checkpoint.pt"
+    data = bytearray(newest.read_bytes())
+    start, end = pickle_region(newest)
+    data[(start + end) // 2] ^= 0xFF  # inside the pickle torch's weights-only loader reads
+    newest.write_bytes(bytes(data))
+    for fault in ("checkpoint.quarantined:1", "checkpoint.rotated:1", None):
+        r = _run(cfg, fault)
+        assert r.returncode == (-9 if fault else 0), (fault, r.stderr[-3000:])
+        if fault != "checkpoint.quarantined:1":  # (that one dies while loading, before it says where it resumes)
+            assert f"resuming {tmp_path / 'damaged'} from step 2" in r.stdout, (fault, r.stdout[-2000:])
+        if fault:  # the good checkpoint was never rotated away
+            assert torch.load(tmp_path / "damaged" / "checkpoint.prev.pt", weights_only=True)["step"] == 2
+    assert _records(tmp_path / "damaged") == straight
+    kept = [p.name for p in (tmp_path / "damaged" / "refused").iterdir() if not p.name.endswith(".why.txt")]
+    assert len(kept) == 1 and kept[0].startswith("checkpoint.pt."), kept  # the damaged one, kept for inspection
 
 
 SYNC = """
