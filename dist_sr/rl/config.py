@@ -90,6 +90,9 @@ class GRPOConfig:
     kl_coef: float = 0.0              # KL penalty (k3) to the frozen reference; 0 = off
     temperature: float = 1.0
     max_new_tokens: int = 6
+    # a run that skips more than this share of its steps (non-finite gradients, loss-scale
+    # overflows) stops with an error instead of finishing without training
+    max_skipped_fraction: float = 0.25
 
     def __post_init__(self):
         if self.samples_per_prompt < 2:
@@ -105,6 +108,9 @@ class GRPOConfig:
             raise ConfigError(f"grpo.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.eps <= 0 or self.weight_decay < 0 or self.clip_eps <= 0 or self.kl_coef < 0:
             raise ConfigError("grpo.eps and grpo.clip_eps must be > 0, grpo.weight_decay and grpo.kl_coef >= 0")
+        if not 0 <= self.max_skipped_fraction < 1:
+            raise ConfigError(f"grpo.max_skipped_fraction must be in [0, 1) (the share of steps a run may skip), got "
+                              f"{self.max_skipped_fraction}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"grpo.optimizer: unknown optimizer {self.optimizer!r}; choose one of "
                               f"{', '.join(OPTIMIZERS)}")

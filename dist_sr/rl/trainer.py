@@ -26,7 +26,7 @@ import yaml
 from tqdm import tqdm
 
 from .. import faults
-from ..config import ConfigError
+from ..config import ConfigError, Refusal
 from ..engines import TrainSettings, init_distributed, training_device
 from ..engines import make_engine as make_training_engine
 from ..optim import ShadowOptimizer
@@ -36,11 +36,14 @@ from .config import ExperimentConfig, to_dict
 from .evaluation import evaluate, fixed_examples
 from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
 from .model import load_pretrained
+from .preflight import preflight
 from .warmup import make_task, warmup_checkpoint
 
 
-class RolloutWeightMismatch(RuntimeError):
-    pass
+class RolloutWeightMismatch(Refusal, RuntimeError):
+    """The rollouts were generated with other weights than the trainer's (digests differ)."""
+
+    what = "rollout weights"
 
 
 def step_seed(seed: int, step: int, stream: str) -> int:
@@ -104,9 +107,16 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-class NonFiniteTraining(RuntimeError):
+class NonFiniteTraining(Refusal, RuntimeError):
     """Too many consecutive steps had a NaN or Inf loss: the run stops (its last good checkpoint is
     kept) instead of training on, or saving, a broken state."""
+
+    what = "training stopped"
+
+
+class TooManySkippedSteps(NonFiniteTraining):
+    """More than ``grpo.max_skipped_fraction`` of the run's steps were skipped: it would finish
+    without having trained."""
 
 
 MAX_NONFINITE_STEPS = 3  # consecutive skipped steps before the run stops
@@ -150,8 +160,8 @@ def settings(cfg: ExperimentConfig, world: int) -> TrainSettings:
 
 # Settings a resumed run may change; any other difference from the run's config.yaml is refused.
 RESUMABLE_CHANGES = ("grpo.steps", "checkpoint_every", "threads", "output_dir", "rollout.", "cluster.", "eval.every",
-                     "warmup.cache_dir")
-RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "deepspeed", "fsdp2", "tensorboard")
+                     "warmup.cache_dir", "grpo.max_skipped_fraction")
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "deepspeed", "fsdp2", "tensorboard", "refused")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -203,11 +213,11 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
         raise ValueError(f"resume must be False, True or 'auto', got {resume!r}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.output_dir)
+    preflight(cfg, out_dir)  # secrets, run directory, memory: before any compute
     init_distributed(cfg.distributed.engine)
     sharded = cfg.distributed.engine != "single"
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if not resume and holds_a_run(out_dir):
         if not overwrite:
             raise ConfigError(f"{out_dir} already holds a run (metrics or checkpoints); pass --resume to continue "
@@ -286,6 +296,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
 
     saved_at = start if start else None  # the step of the newest checkpoint on disk
     bad_run = 0  # consecutive steps skipped for a non-finite loss or gradient
+    skipped = 0  # steps this process skipped (non-finite, loss-scale overflow)
     if start == 0:
         write({"step": 0, **run_eval()})
     last = g.steps if stop_at is None else min(stop_at, g.steps)
@@ -324,6 +335,7 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
             grad_norm, stepped = trainer.step()
             nonfinite = not math.isfinite(grad_norm) and not cfg.precision.spec.loss_scaling
         bad_run = bad_run + 1 if nonfinite else 0
+        skipped += not stepped
         reward, loss_mean, kl_k3 = _all_mean([rewards.mean().item(), loss.item(), stats["kl_k3"]], world)
         record = {"step": step, "reward": reward, "loss": loss_mean, "grad_norm": grad_norm, "kl_k3": kl_k3,
                   "weight_version": ro.weight_version, "skipped": not stepped, "nonfinite": nonfinite,
@@ -337,6 +349,12 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
             raise NonFiniteTraining(f"steps {step - bad_run + 1}..{step} had a non-finite loss or gradient and were "
                                     f"skipped; stopping ({kept}). Lower grpo.lr (now {g.lr}) or check the data and "
                                     "the model")
+        if skipped > g.max_skipped_fraction * g.steps:
+            raise TooManySkippedSteps(f"{skipped} of the {step - start} steps run so far were skipped (a loss scaler "
+                                      "that never finds a finite scale, or gradients that are never finite), more than "
+                                      f"grpo.max_skipped_fraction={g.max_skipped_fraction} of grpo.steps={g.steps}; "
+                                      "stopping instead of finishing untrained. Check precision.initial_loss_scale, "
+                                      f"grpo.lr (now {g.lr}) and the data")
         bar.set_postfix(reward=f"{reward:.3f}", acc=f"{record.get('eval_accuracy', float('nan')):.3f}",
                         kl=f"{kl_k3:.2e}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

@@ -2,6 +2,8 @@
 damaged metrics, non-finite steps."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +98,90 @@ def cfg_dir(cfg):
 
 def cfg_metrics(cfg):
     return cfg_dir(cfg) / "metrics.jsonl"
+
+
+def _no_warmup(monkeypatch):
+    """Fail the test if a refusal came after compute had started (the warm-up is the first)."""
+    import dist_sr.rl.trainer as trainer
+
+    def warmup(*a, **k):
+        raise AssertionError("compute started before the refusal")
+
+    monkeypatch.setattr(trainer, "warmup_checkpoint", warmup)
+    monkeypatch.setattr(trainer, "load_pretrained", warmup)
+
+
+def test_refusals_that_can_come_before_compute_do(easy, tmp_path, monkeypatch):
+    from dist_sr.rl.preflight import RunDirectoryError, TooLarge
+    from dist_sr.secret import SecretMissing
+
+    _no_warmup(monkeypatch)
+    monkeypatch.setenv("DIST_SR_SYNC_SECRET", "short")  # signs checkpoint manifests: refused at the start
+    with pytest.raises(SecretMissing, match="has 5 bytes; use at least 16"):
+        train(easy(), progress=False)
+    monkeypatch.setenv("DIST_SR_SYNC_SECRET", "a-long-enough-test-secret-0123456789")
+    monkeypatch.setenv("DIST_SR_CHECKPOINT_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SecretMissing, match="cannot read the checkpoint secret"):
+        train(easy(), progress=False)
+    monkeypatch.delenv("DIST_SR_CHECKPOINT_SECRET_FILE")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(RunDirectoryError, match="exists and is not a directory"):
+        train(easy(output_dir=str(tmp_path / "a-file")), progress=False)
+    with pytest.raises(RunDirectoryError, match="cannot be created or written"):
+        train(easy(output_dir=str(tmp_path / "a-file" / "run")), progress=False)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere: a read-only file system instead
+        locked = Path("/proc/dist-sr-run")
+    with pytest.raises(RunDirectoryError, match="cannot be created or written"):
+        train(easy(output_dir=str(locked / "run")), progress=False)
+    huge = {"model.hidden_size": 16384, "model.intermediate_size": 65536, "model.num_hidden_layers": 48,
+            "model.num_attention_heads": 128}
+    with pytest.raises(TooLarge, match=r"the model has \d+\.\dM parameters; .* 24 bytes per parameter .* GiB"):
+        train(easy(**huge), progress=False)
+
+
+@pytest.mark.parametrize("scale", [".nan", "0", "-1", ".inf"])
+def test_a_loss_scale_that_cannot_train_is_a_config_error(easy, scale):
+    import yaml
+
+    with pytest.raises(ConfigError, match="precision.initial_loss_scale must be a finite number in"):
+        easy(precision={"precision": "fp16", "initial_loss_scale": yaml.safe_load(scale)})
+
+
+def test_a_run_that_skips_its_steps_stops_instead_of_finishing_untrained(easy):
+    """A static loss scale of 1e30 overflows every step (finite losses, so not the non-finite rule):
+    more than grpo.max_skipped_fraction of grpo.steps skipped stops the run."""
+    from dist_sr.rl.trainer import TooManySkippedSteps
+
+    cfg = easy(precision={"precision": "fp16", "loss_scale": 1e30}, **{"grpo.steps": 8, "checkpoint_every": 0})
+    with pytest.raises(TooManySkippedSteps, match=r"3 of the 3 steps run so far were skipped.*"
+                                                  r"max_skipped_fraction=0.25 of grpo.steps=8"):
+        train(cfg, progress=False)
+    assert [r["skipped"] for r in strict_records(cfg_metrics(cfg))[1:]] == [True, True, True]
+
+
+def test_the_command_line_turns_the_projects_refusals_into_one_line(easy, tmp_path):
+    """A refusal is one line naming the problem and the fix, exit 2; no traceback."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from dist_sr.rl.config import to_dict
+
+    cfg = easy(**{"grpo.steps": 2})
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    cases = [({}, ["--resume"], "checkpoint refused: ", "no checkpoint verifies"),
+             ({"DIST_SR_SYNC_SECRET": "short"}, [], "secret: ", "use at least 16"),
+             ({}, ["--output-dir", str(path)], "run directory: ", "is not a directory")]
+    for env, args, kind, words in cases:
+        r = subprocess.run([sys.executable, "-m", "dist_sr.launch.cli", "train", str(path), "--no-progress", *args],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dist-sr train: ")]
+        assert len(lines) == 1 and kind in lines[0] and words in lines[0], r.stderr[-2000:]
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -132,6 +132,11 @@ def config_for_precision(precision, base: dict | str | Path) -> dict:
                                    "use bf16-sr with DeepSpeed (or the single-process AdamWSR)")
     if spec.loss_scaling:
         dynamic = precision.loss_scale == "dynamic"
+        power = math.log2(precision.initial_loss_scale)
+        if dynamic and power != int(power):
+            raise PrecisionConfigError(f"precision.initial_loss_scale={precision.initial_loss_scale}: DeepSpeed takes "
+                                       "the initial scale as a power of two (initial_scale_power); use one, e.g. "
+                                       f"{2.0 ** round(power):g}")
         config["fp16"] = {"enabled": True, "loss_scale": 0 if dynamic else float(precision.loss_scale),
                           "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
                           "loss_scale_window": precision.loss_scale_window}
