@@ -32,16 +32,16 @@ LAYERS = [
 LEVEL = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
 
 
-def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+def imports(name: str, path: Path, top: str = "dist_sr") -> list[tuple[str, list[str]]]:
     """``(module imported, names taken from it)`` for every import statement in the file."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
@@ -55,21 +55,29 @@ def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
             found.append((target, [a.name for a in node.names]))
         elif isinstance(node, ast.Import):
             found.extend((a.name, []) for a in node.names)
-    return [(t, names) for t, names in found if t == "dist_sr" or t.startswith("dist_sr.")]
+    return [(t, names) for t, names in found if t == top or t.startswith(top + ".")]
 
 
-def graph() -> tuple[dict[str, set[str]], list[str]]:
-    mods = modules()
+def graph(package: Path = PACKAGE) -> tuple[dict[str, set[str]], list[str]]:
+    """Import edges between the package's modules. Importing ``a.b.c`` also runs the packages on
+    the way (``a``, ``a.b``): edges to those, except to a module's own ancestors (which are running
+    already when it is imported). A name taken from a package (``from .. import Name``, a name
+    that is not a submodule) is an edge to that package even when it is an ancestor: the module
+    needs the package's ``__init__`` to have run that far, which is how a cycle hides in import
+    order."""
+    mods = modules(package)
     edges: dict[str, set[str]] = defaultdict(set)
     private = []
     for name, path in mods.items():
-        for target, names in imports(name, path):
+        for target, names in imports(name, path, package.name):
             targets = {target}
             for n in names:  # ``from pkg import module`` imports the module
                 if f"{target}.{n}" in mods:
                     targets.add(f"{target}.{n}")
                 elif n.startswith("_") and not n.startswith("__"):
                     private.append(f"{name} imports {n} from {target}")
+            if target in mods and target != name and any(f"{target}.{n}" not in mods for n in names):
+                edges[name].add(target)  # a name defined by the package's __init__
             for t in targets:
                 parts = t.split(".")
                 for i in range(1, len(parts) + 1):  # the packages on the way run their __init__ first
@@ -144,6 +152,21 @@ def test_no_import_cycle_between_rooms_and_no_room_imports_a_higher_one():
 def test_no_underscore_name_is_imported_from_another_module():
     _, private = graph()
     assert private == []
+
+
+def test_the_walker_sees_a_cycle_hidden_in_import_order(tmp_path):
+    """A package whose ``__init__`` defines a name, then imports a submodule that takes that name
+    back with ``from .. import Name``: it imports only because of line order."""
+    pkg = tmp_path / "pkg"
+    (pkg / "backends" / "fast").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "backends" / "__init__.py").write_text("class KeyStep:\n    pass\n\n\nfrom . import fast  # noqa\n")
+    (pkg / "backends" / "fast" / "__init__.py").write_text("from .. import KeyStep\n")
+    edges, _ = graph(pkg)
+    assert cycles(edges) == [["pkg.backends", "pkg.backends.fast"]]
+    (pkg / "backends" / "base.py").write_text("class KeyStep:\n    pass\n")  # the contract in its own module
+    (pkg / "backends" / "fast" / "__init__.py").write_text("from ..base import KeyStep\n")
+    assert cycles(graph(pkg)[0]) == []
 
 
 def test_the_checks_catch_a_cycle_and_an_upward_import():

@@ -4,18 +4,13 @@ code, ``launch`` the host side; Triton is imported only when something is launch
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from ...adamw import constants, distinct_rows
 from ...key import signed64, stream_key
-from .. import KeyStep
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ..base import KeyStep
+from .interpret import interpreting
 
 
 def _launch():

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from ...key import STEP_BYTE, key_message, signed64, stream_key
-from .. import DeviceStep, KeyStep
-from . import interpreting
+from ..base import DeviceStep, KeyStep
 from . import kernels as tk
 from . import keys as triton_keys
+from .interpret import interpreting
 
 # Launch shapes (elements per program, warps per program). The bits never depend on them;
 # DIST_SR_TRITON_{SR,ADAMW}_{BLOCK,WARPS} override them (bench/triton_tune.py measures the choices).
@@ -86,7 +86,8 @@ def run_compiled(kernel, grid: int, device: int, args: Sequence) -> bool:
     except Exception as exc:  # another Triton's launcher interface: the JIT path from now on
         import warnings
 
-        warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning)
+        warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning,
+                      stacklevel=2)
         _DIRECT[0] = False
         return False
     return True
