@@ -60,7 +60,7 @@ def main(path: Path) -> None:
         for mode in ("stochastic", "dither"):
             cases.append(case(seed, step, name, mode, offset, rand))
     stream = {"key": "0123456789abcdef", "first_block_hashes": []}
-    from dist_sr.numerics.key import splitmix64_mix, GAMMA
+    from dist_sr.numerics.key import GAMMA, splitmix64_mix
     k = int(stream["key"], 16)
     stream["first_block_hashes"] = [f"{splitmix64_mix(k + (q + 1) * GAMMA):016x}" for q in range(4)]
     doc = {

@@ -22,9 +22,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import faults
 from ..numerics.digest import combine, piece_sum
 from ..sources import WeightSource, add_rank_sums, layout_free_digest
-from .. import faults
 from . import auth
 from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, NoReadyEngineError
 from .plan import Span, SyncPlan, TensorPlan, make_buckets
@@ -197,7 +197,7 @@ class WeightSync:
         engines that complete the update count as ready."""
         t0 = time.perf_counter()
         problems: list[str] = []
-        for attempt in (1, 2, 3):
+        for attempt in (1, 2, 3):  # noqa: B007  (the last one is reported in the result)
             members = None
             if self.rank == 0:
                 self._probe()

@@ -15,7 +15,6 @@ import argparse
 
 import torch
 import torch.distributed as dist
-
 from common import batch, finish, forward_weights, init, report, rtn_mismatch, tiny_model
 
 

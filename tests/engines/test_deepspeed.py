@@ -270,9 +270,9 @@ def test_repo_deepspeed_configs_train_with_keyed_sr(path):
 
 
 def _our_engine(stage=2):
+    from dist_sr.engines.base import TrainSettings
     from dist_sr.engines.config import DistributedConfig
     from dist_sr.engines.deepspeed.engine import DeepSpeedEngine
-    from dist_sr.engines.base import TrainSettings
     from dist_sr.precision import PrecisionConfig
 
     settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED),
@@ -284,7 +284,7 @@ def _our_engine(stage=2):
 def _guard_save_worker(rank, world_size, path):
     eng = _our_engine()
     ids = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(7))
-    for step in (1, 2):
+    for _step in (1, 2):
         eng.backward(eng.module(input_ids=ids, labels=ids).loss)
         eng.step()
     assert eng.digest() == eng.expected_digest()

@@ -45,7 +45,7 @@ def test_every_config_renders_to_schema_valid_manifests(config, tmp_path):
     files = _render(config, *sets, tmp_path=tmp_path)
     assert sorted(files["kustomization.yaml"][0]["resources"]) == \
         sorted(n for n in files if n not in ("kustomization.yaml", k8s.SECRET_FILE))
-    for name, objs in files.items():
+    for objs in files.values():
         for obj in objs:
             if obj["kind"] != "Kustomization":
                 kv.validate(obj, KUBERNETES, strict=True)

@@ -83,7 +83,7 @@ def test_shadow_adamw_tracks_shadow_optimizer_and_shares_its_checkpoints():
             model(x).float().pow(2).mean().backward()
             opt.clip_grad_norm_(1.0)
             opt.step()
-    for (_, pa, sa), (_, pb, sb) in zip(fused.named_shadows(), plain.named_shadows()):
+    for (_, pa, sa), (_, _pb, sb) in zip(fused.named_shadows(), plain.named_shadows()):
         # same algorithm, torch's AdamW may use fused-multiply-add: equal to float rounding
         assert torch.allclose(sa, sb, rtol=0, atol=1e-6)
         assert torch.equal(bits16(pa.data), bits16(stochastic_round(sa, seed=3, step=5, param=_name(fused, pa))))

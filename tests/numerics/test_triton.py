@@ -516,7 +516,7 @@ def test_cuda_shadow_adamw_step_captures_in_a_cuda_graph():
         opt.step()
     graph.replay()
     torch.cuda.synchronize()
-    for _, p, s in opt.named_shadows():
+    for _, _p, s in opt.named_shadows():
         assert torch.isfinite(s).all()
 
 

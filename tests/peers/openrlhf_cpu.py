@@ -59,9 +59,8 @@ def cli_args(flags: list[str]):
 
 def setup_distributed(strategy) -> None:
     """``DeepspeedStrategy.setup_distributed`` with its two CUDA calls on the CPU."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     import openrlhf.utils.deepspeed.deepspeed as ds_strategy
+    from torch.distributed.device_mesh import init_device_mesh
 
     real_mesh, real_set = ds_strategy.init_device_mesh, torch.cuda.set_device
     ds_strategy.init_device_mesh = lambda device, *a, **k: init_device_mesh("cpu", *a, **k)

@@ -18,8 +18,16 @@ import pytest
 import torch
 
 from tests.dist_utils import free_port, run_workers
-from tests.peers.harness import (Engine, GlooBroadcast, bitwise_equal, cuda_calls_on_cpu, digest_of,
-                                 save_tiny_model, save_with_weights, trainer_digest)
+from tests.peers.harness import (
+    Engine,
+    GlooBroadcast,
+    bitwise_equal,
+    cuda_calls_on_cpu,
+    digest_of,
+    save_tiny_model,
+    save_with_weights,
+    trainer_digest,
+)
 
 SEED, STEPS = 1234, 3
 EXTENSION = "tests.peers.openrlhf_extension:Extension"
@@ -29,6 +37,8 @@ def build(model_dir: str, zero_stage: int):
     """OpenRLHF's policy, as ``PolicyModelActor.init_model_from_pretrained`` builds it from the
     command line a user writes."""
     from tests.peers import openrlhf_cpu  # flash-attn stand-in first
+
+    # isort: split
 
     import openrlhf.utils.deepspeed.deepspeed as ds_strategy
     from openrlhf.models import Actor
@@ -109,9 +119,8 @@ class _Handle:
 
 def broadcast(strategy, actor, engines, group) -> None:
     """OpenRLHF's ``ActorPPOTrainer.broadcast_to_vllm`` on every trainer rank."""
-    import torch.distributed as dist
-
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    import torch.distributed as dist
 
     trainer = ppo_actor.ActorPPOTrainer.__new__(ppo_actor.ActorPPOTrainer)  # the attributes its __init__ sets
     trainer.strategy, trainer.actor, trainer.vllm_engines = strategy, actor, engines

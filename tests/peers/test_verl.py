@@ -20,8 +20,15 @@ import pytest
 import torch
 
 from tests.dist_utils import run_workers
-from tests.peers.harness import (Engine, bitwise_equal, digest_of, forward_weights, save_tiny_model,
-                                 save_with_weights, trainer_digest)
+from tests.peers.harness import (
+    Engine,
+    bitwise_equal,
+    digest_of,
+    forward_weights,
+    save_tiny_model,
+    save_with_weights,
+    trainer_digest,
+)
 
 SEED, STEPS = 1234, 3
 SWITCH = "dist_sr.integrations.verl"
@@ -31,6 +38,8 @@ JOB = "dist-sr-peer-test"
 def build(model_dir, *, switch: bool = True, strategy: str = "fsdp2", **model_fields):
     """verl's actor engine, built as ``TrainingWorker`` builds it, from verl's own config classes."""
     import tests.peers.verl_cpu  # noqa: F401  (the device platform, before verl reads it)
+
+    # isort: split
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config.engine import FSDPEngineConfig
     from verl.workers.config.model import HFModelConfig

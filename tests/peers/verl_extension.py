@@ -8,6 +8,8 @@ keeps until a layer is complete (and the bucket then cannot be closed). ``_updat
 as the GPU would, then runs verl's own."""
 
 import tests.peers.verl_cpu  # noqa: F401  (verl's device platform, before verl reads it)
+
+# isort: split
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from dist_sr.rollout.vllm.plugin import WorkerExtension

@@ -7,8 +7,16 @@ import math
 import pytest
 import torch
 
-from dist_sr.rl.compare import (cells, load_compare, run_comparison, run_config, run_dir, run_seeds, summarize,
-                                write_report)
+from dist_sr.rl.compare import (
+    cells,
+    load_compare,
+    run_comparison,
+    run_config,
+    run_dir,
+    run_seeds,
+    summarize,
+    write_report,
+)
 from dist_sr.rl.config import ConfigError
 
 from .conftest import EASY

@@ -28,10 +28,9 @@ def assert_same(got: dict, expected: dict):
 
 
 def _fsdp2_worker(rank, world_size):
+    from dist_sr.engines import fsdp2
     from tests.engines.test_fsdp2 import SEED as SEED_FSDP2
     from tests.engines.test_fsdp2 import build, capture_working, train
-
-    from dist_sr.engines import fsdp2
 
     model, ctx, opt = build(world_size)
     train(model, opt, STEPS)

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...optim import StickingMeter, optimizer_class
+from ...config import ConfigError
 from ...numerics.digest import combine
+from ...optim import StickingMeter, optimizer_class
 from ...sources import ReplicatedSource, WeightSource, add_rank_sums, layout_free_digest
 from ..base import TrainSettings
 from ..checkpoints import choose_verified, prune_checkpoints, write_manifest
-from ...config import ConfigError
 from .config import config_for_precision, hyperparameter_conflicts
 from .hook import initialize
 from .source import ZeRO3Source

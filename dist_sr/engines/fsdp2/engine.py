@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ...config import ConfigError
-from ...optim import optimizer_class
 from ...numerics.digest import combine
+from ...optim import optimizer_class
 from ...sources import add_rank_sums, layout_free_digest
 from ..base import TrainSettings
 from ..checkpoints import choose_verified, prune_checkpoints, write_atomic, write_manifest
