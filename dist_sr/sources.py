@@ -23,7 +23,13 @@ from .numerics.digest import combine, dtype_name, piece_sum
 from .numerics.key import normalize_param_name
 from .numerics.shards import split_range
 
-Meta = tuple[str, str, tuple[int, ...]]  # (name, dtype name, full shape)
+
+class Meta(NamedTuple):
+    """One working weight as a source describes it (a tuple: equal to ``(name, dtype, shape)``)."""
+
+    name: str                 # the HF name (wrapper prefixes removed): the rounding key's parameter name
+    dtype: str                # the dtype's name as sent (``numerics.digest.dtype_name``), e.g. "bfloat16"
+    shape: tuple[int, ...]    # the full, unsharded shape
 
 
 class LocalPiece(NamedTuple):
@@ -36,6 +42,17 @@ class LocalPiece(NamedTuple):
 
 
 class WeightSource(Protocol):
+    """A trainer's working weights as HF-named tensors, however they are sharded: what a weight
+    sync reads. Every method is called on every trainer rank, in the same order (collectives).
+
+    Methods:
+        metadata(): ``Meta`` of every tensor, in sync order; the same on every rank.
+        local_pieces(names): for each name, the pieces this rank holds, each a ``LocalPiece``
+            (name, global flat ``[start, end)``, the bits): over all ranks every element once
+            (shard-direct sends them without a gather).
+        gather(names): ``{name: full tensor}`` on rank 0, ``{}`` elsewhere (collective).
+    """
+
     def metadata(self) -> list[Meta]: ...
 
     def local_pieces(self, names: list[str]) -> Iterable[LocalPiece]: ...
@@ -52,7 +69,7 @@ class ReplicatedSource:
         self.rank, self.world = rank, world
 
     def metadata(self) -> list[Meta]:
-        return [(n, dtype_name(p.dtype), tuple(p.shape)) for n, p in self.params.items()]
+        return [Meta(n, dtype_name(p.dtype), tuple(p.shape)) for n, p in self.params.items()]
 
     def local_pieces(self, names: list[str]) -> list[LocalPiece]:
         out = []

@@ -48,6 +48,28 @@ class TrainSettings:
 
 
 class TrainingEngine(Protocol):
+    """What the trainer asks of a training engine (``single``, ``fsdp2``, ``deepspeed``), built
+    from ``TrainSettings`` and the model. Every method is called on every rank.
+
+    Attributes:
+        module: the model whose forward the trainer runs (the working weights).
+        rank, world: this process in the engine's group.
+        meter: a ``StickingMeter`` for the precision's metrics, or None.
+        needs_process_group: whether ``init_distributed`` must join a launcher's group first.
+
+    Methods:
+        backward(loss): gradients of ``loss`` (scaled if the precision scales losses).
+        step(): clip to ``max_grad_norm`` and step; returns ``(grad_norm, stepped)``, ``stepped``
+            False for a skipped step (non-finite gradient, loss-scale overflow).
+        digest(): the layout-free digest of the working weights as the forward uses them.
+        expected_digest(): the same, re-derived from the FP32 masters with the rounding key.
+        weight_source(): the working weights for a weight sync (``sources.WeightSource``).
+        save(path, step): a verified checkpoint under the run directory ``path``; refuses a bad
+            state, never replaces a good checkpoint with one.
+        load(path): the step of the newest checkpoint under ``path`` that verifies (loaded), or
+            None if there is none; refused ones are moved to ``path/refused``.
+    """
+
     module: torch.nn.Module
     rank: int
     world: int

@@ -31,6 +31,17 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
+    """Where rollouts come from (``embedded``, a ``vllm`` fleet). Called on every trainer rank.
+
+    Methods:
+        sync_weights(version, verify): make the engine generate with the trainer's working weights
+            of ``version``; with ``verify``, checked by digest before any rollout.
+        generate(prompts, samples_per_prompt, max_new_tokens, temperature, generator,
+            with_digest): ``Rollouts`` (prompt and completion ids with masks, texts, the weight
+            version, and with ``with_digest`` the digest of the weights they were generated with),
+            ``samples_per_prompt`` per prompt, sampled with ``generator``'s seeds.
+    """
+
     def sync_weights(self, version: int, verify: bool = True) -> None: ...
 
     def generate(self, prompts: list[str], *, samples_per_prompt: int, max_new_tokens: int,

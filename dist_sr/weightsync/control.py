@@ -27,6 +27,17 @@ class NoReadyEngineError(Refusal, RuntimeError):
 
 
 class ControlPlane(Protocol):
+    """How a weight sync drives one rollout engine (a vLLM server over HTTP, a bare receiver):
+    the four-phase weight update plus health, pause/resume and the workers' reports. Each method
+    raises ``EngineError`` (its message starting with ``name``) when the engine fails it.
+
+    Methods:
+        health(); world_size(): workers that join the transfer groups;
+        init_transfer(info): join the groups ``info`` describes (``receiver.InitInfo`` fields);
+        pause(); start_update(); update(plan, timeout): receive every bucket of ``plan``;
+        finish(version); reset_cache(); report(): each worker's report; resume().
+    """
+
     name: str  # a stable name for logs and errors (vLLM: the engine's base URL)
 
     def health(self) -> None:
