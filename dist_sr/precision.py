@@ -28,6 +28,7 @@ from torch import nn
 from .config import Refusal, check_fields
 from .numerics import backends
 from .optim import AdamWSR, DynamicLossScaler, ShadowOptimizer, StickingMeter
+from .registry import Registry
 from .replica import combined_digest, weight_digests
 
 
@@ -52,11 +53,11 @@ class Precision:
         return self.rounding in ("stochastic", "dither")
 
 
-PRECISION_REGISTRY: dict[str, Precision] = {}
+PRECISION_REGISTRY: Registry[Precision] = Registry("precision")
 
 
 def register_precision(precision: Precision) -> None:
-    PRECISION_REGISTRY[precision.name] = precision
+    PRECISION_REGISTRY.register(precision.name, precision)
 
 
 for _p in (

@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "dist_sr"
 # The rooms, bottom to top: a room may import its own and lower rooms only.
 LAYERS = [
-    ("config", "net", "faults", "secret"),
+    ("config", "net", "faults", "secret", "registry"),
     ("numerics",),
     ("optim", "replica", "sources", "cluster"),
     ("precision",),

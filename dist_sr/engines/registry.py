@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
-TRAINING_ENGINES: dict[str, type] = {}
+from ..registry import Registry
+
+TRAINING_ENGINES: Registry[type] = Registry("training engine")
 
 
-def register_engine(name: str, cls: type) -> None:
-    TRAINING_ENGINES[name] = cls
+def register_engine(name: str, cls: type | str) -> None:
+    """``cls``: a class satisfying ``engines.base.TrainingEngine``, or ``"module:Class"``."""
+    TRAINING_ENGINES.register(name, cls)
 
 
 def engine_names() -> tuple[str, ...]:
-    return tuple(TRAINING_ENGINES)
+    return TRAINING_ENGINES.names()
 
 
 def engine_class(name: str) -> type:
-    try:
-        return TRAINING_ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown training engine {name!r}; choose one of {', '.join(TRAINING_ENGINES)}") from None
+    return TRAINING_ENGINES[name]

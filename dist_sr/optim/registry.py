@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import torch
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {}
+from ..registry import Registry
+
+OPTIMIZERS: Registry[type[torch.optim.Optimizer]] = Registry("optimizer")
 
 
-def register_optimizer(name: str, cls: type[torch.optim.Optimizer]) -> None:
-    OPTIMIZERS[name] = cls
+def register_optimizer(name: str, cls: type[torch.optim.Optimizer] | str) -> None:
+    """``cls``: a ``torch.optim.Optimizer`` subclass, or ``"module:Class"`` imported on first use."""
+    OPTIMIZERS.register(name, cls)
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}") from None
+    return OPTIMIZERS[name]
 
 
 register_optimizer("adamw", torch.optim.AdamW)

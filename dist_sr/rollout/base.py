@@ -18,6 +18,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..registry import Registry
+
 
 @dataclass
 class Rollouts:
@@ -49,16 +51,17 @@ class RolloutEngine(Protocol):
 
 
 # name -> factory(rollout config, training engine, tokenizer, device, sharded) -> RolloutEngine
-ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
 
 
-def register_rollout_engine(name: str, factory: Callable[..., RolloutEngine]) -> None:
-    """A new rollout engine: one module and this call (see ``dist_sr/rollout/__init__.py``)."""
-    ROLLOUT_ENGINES[name] = factory
+def register_rollout_engine(name: str, factory: Callable[..., RolloutEngine] | str) -> None:
+    """A new rollout engine: one module and this call (see ``dist_sr/rollout/__init__.py``);
+    ``factory`` may be ``"module:function"``, imported on first use."""
+    ROLLOUT_ENGINES.register(name, factory)
 
 
 def rollout_engine_names() -> tuple[str, ...]:
-    return tuple(ROLLOUT_ENGINES)
+    return ROLLOUT_ENGINES.names()
 
 
 def make_rollout_engine(config, trainer, tokenizer, *, device, sharded: bool) -> RolloutEngine:

@@ -14,9 +14,10 @@ import warnings
 
 import torch
 
+from ...registry import Registry
 from .base import Backend, DeviceStep, KeyStep  # noqa: F401  (the contract, re-exported)
 
-_REGISTRY: dict[str, Backend] = {}
+_REGISTRY: Registry[Backend] = Registry("rounding backend")
 _warned: set[str] = set()
 # choose()'s answers for CUDA tensors, by the user's choice: on a GPU the choice is made on every
 # public call, and for CUDA it depends on nothing but the registry (cleared when that changes)
@@ -25,7 +26,7 @@ _CUDA_CHOICE: dict[str, Backend] = {}
 
 def register_backend(backend: Backend) -> None:
     """Add a backend (a new one: one module with one ``Backend`` object, and this call)."""
-    _REGISTRY[backend.name] = backend
+    _REGISTRY.register(backend.name, backend)
     _CUDA_CHOICE.clear()
 
 
