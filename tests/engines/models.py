@@ -13,3 +13,24 @@ def tiny_qwen2():
                          tie_word_embeddings=False, initializer_range=0.25)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
+
+
+def forward_weights(model, ids) -> dict:
+    """The weights each module's forward pass used (unsharded, as FSDP2 gathered them), by
+    normalised parameter name."""
+    from dist_sr.numerics.key import normalize_param_name
+
+    seen, handles = {}, []
+    for mod_name, mod in model.named_modules():
+        if not list(mod.parameters(recurse=False)):
+            continue
+
+        def hook(m, args, kwargs, prefix=mod_name):
+            for n, p in m.named_parameters(recurse=False):
+                seen[normalize_param_name(f"{prefix}.{n}" if prefix else n)] = p.detach().clone()
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return seen

@@ -10,7 +10,7 @@ from dist_sr import stochastic_round
 from dist_sr.numerics.shards import shard_layout
 from dist_sr.replica import tensor_digest
 from tests.dist_utils import run_workers
-from tests.engines.models import tiny_qwen2
+from tests.engines.models import forward_weights, tiny_qwen2
 
 pytestmark = pytest.mark.slow
 SEED, STEPS = 1234, 3
@@ -49,23 +49,7 @@ def train(model, opt, steps):
 
 def capture_working(model):
     """The unsharded BF16 weights each module's forward uses, by normalised name."""
-    from dist_sr.numerics.key import normalize_param_name
-
-    seen, handles = {}, []
-    for mod_name, mod in model.named_modules():
-        if not list(mod.parameters(recurse=False)):
-            continue
-
-        def hook(m, args, kwargs, prefix=mod_name):
-            for n, p in m.named_parameters(recurse=False):
-                seen[normalize_param_name(f"{prefix}.{n}" if prefix else n)] = p.detach().clone()
-
-        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    ids = batch()
-    model(input_ids=ids)
-    for h in handles:
-        h.remove()
-    return seen
+    return forward_weights(model, batch())
 
 
 def check_offsets_against_dtensor(model, world_size):

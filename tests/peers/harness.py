@@ -15,6 +15,7 @@ import torch
 
 from dist_sr.net import free_port
 from dist_sr.numerics.digest import combine, tensor_sums
+from tests.engines.models import forward_weights  # noqa: F401  (re-exported for the peer tests)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,6 +108,34 @@ def cuda_calls_on_cpu():
         torch.empty, torch.cuda.current_stream = real_empty, real_stream
 
 
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+
+
+def check_push(tmp_path: Path, model_dir: Path, extension: str, push, env: dict | None = None) -> None:
+    """Start a real engine, let ``push(engine)`` push the trainer's weights into it the way a peer
+    does (writing the trainer's expected bits to ``expected.pt`` and the engine's held-weights
+    report to ``held.json`` in ``tmp_path``), then check: the engine holds exactly those bits
+    (digest), and generates the tokens of an engine started from a checkpoint of them."""
+    import json
+
+    pushed = Engine(model_dir, extension, tmp_path / "engine.log", env=env).wait_ready()
+    try:
+        push(pushed)
+        tokens = pushed.call("generate", PROMPTS, 8)
+    finally:
+        pushed.close()
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    held = json.loads((tmp_path / "held.json").read_text())
+    assert held["method"] == "recorded at load"
+    assert digest_of(held["digests"]) == trainer_digest(expected)  # the engine holds the trainer's bits
+    fresh = Engine(save_with_weights(model_dir, tmp_path / "keyed-model", expected), extension,
+                   tmp_path / "fresh.log", env=env).wait_ready()
+    try:
+        assert fresh.call("generate", PROMPTS, 8) == tokens
+    finally:
+        fresh.close()
+
+
 def digest_of(entries: dict) -> str:
     """The layout-free digest of ``dist_sr_held_weights`` entries."""
     return combine({n: (d, tuple(shape), int(v, 16)) for n, (d, shape, v) in entries.items()})
@@ -138,27 +167,6 @@ def save_with_weights(src: Path, dst: Path, weights: dict[str, torch.Tensor]) ->
     model.save_pretrained(dst)
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
     return dst
-
-
-def forward_weights(model, ids) -> dict[str, torch.Tensor]:
-    """The weights each module's forward pass used (as FSDP2 gathered them), by parameter name."""
-    from dist_sr.numerics.key import normalize_param_name
-
-    seen, handles = {}, []
-    for mod_name, mod in model.named_modules():
-        if not list(mod.parameters(recurse=False)):
-            continue
-
-        def hook(m, args, kwargs, prefix=mod_name):
-            for n, p in m.named_parameters(recurse=False):
-                seen[normalize_param_name(f"{prefix}.{n}" if prefix else n)] = p.detach().clone()
-
-        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    with torch.no_grad():
-        model(input_ids=ids)
-    for h in handles:
-        h.remove()
-    return seen
 
 
 def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:

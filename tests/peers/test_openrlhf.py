@@ -18,16 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import free_port, run_workers
-from tests.peers.harness import (
-    Engine,
-    GlooBroadcast,
-    bitwise_equal,
-    cuda_calls_on_cpu,
-    digest_of,
-    save_tiny_model,
-    save_with_weights,
-    trainer_digest,
-)
+from tests.peers.harness import GlooBroadcast, bitwise_equal, check_push, cuda_calls_on_cpu, save_tiny_model
 
 SEED, STEPS = 1234, 3
 EXTENSION = "tests.peers.openrlhf_extension:Extension"
@@ -208,20 +199,6 @@ def _push_worker(rank, world, model_dir, zero_stage, address, authkey, port, out
 def test_openrlhfs_broadcast_leaves_vllm_029_holding_the_trainers_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("DIST_SR_SEED", str(SEED))
     model_dir = save_tiny_model(tmp_path / "model")
-    pushed = Engine(model_dir, EXTENSION, tmp_path / "engine.log").wait_ready()
-    try:
-        run_workers(_push_worker, 2, str(model_dir), 3, pushed.address, pushed.authkey, free_port(), str(tmp_path))
-        prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
-        tokens = pushed.call("generate", prompts, 8)
-    finally:
-        pushed.close()
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
-    held = json.loads((tmp_path / "held.json").read_text())
-    assert digest_of(held["digests"]) == trainer_digest(expected)
-    fresh = Engine(save_with_weights(model_dir, tmp_path / "keyed-model", expected), EXTENSION,
-                   tmp_path / "fresh.log").wait_ready()
-    try:
-        assert fresh.call("generate", prompts, 8) == tokens
-    finally:
-        fresh.close()
-
+    check_push(tmp_path, model_dir, EXTENSION,
+               lambda engine: run_workers(_push_worker, 2, str(model_dir), 3, engine.address, engine.authkey,
+                                          free_port(), str(tmp_path)))

@@ -20,15 +20,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_workers
-from tests.peers.harness import (
-    Engine,
-    bitwise_equal,
-    digest_of,
-    forward_weights,
-    save_tiny_model,
-    save_with_weights,
-    trainer_digest,
-)
+from tests.peers.harness import bitwise_equal, check_push, forward_weights, save_tiny_model
 
 SEED, STEPS = 1234, 3
 SWITCH = "dist_sr.integrations.verl"
@@ -224,23 +216,7 @@ def _push_worker(rank, world, model_dir, address, authkey, out_dir):
 
 def test_verls_colocated_push_leaves_vllm_024_holding_the_trainers_bits(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model")
-    ext = "tests.peers.verl_extension:Extension"
-    env = {"VERL_RAY_JOB_ID": JOB, "VERL_REPLICA_RANK": "0"}
-    pushed = Engine(model_dir, ext, tmp_path / "engine.log", env=env).wait_ready()
-    try:
-        run_workers(_push_worker, 2, str(model_dir), pushed.address, pushed.authkey, str(tmp_path))
-        prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
-        tokens = pushed.call("generate", prompts, 8)
-    finally:
-        pushed.close()
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
-    held = json.loads((tmp_path / "held.json").read_text())
-    assert held["method"] == "recorded at load"
-    assert digest_of(held["digests"]) == trainer_digest(expected)  # the engine holds the trainer's bits
-    # and it generates exactly like an engine started from a checkpoint of those bits
-    fresh_dir = save_with_weights(model_dir, tmp_path / "keyed-model", expected)
-    fresh = Engine(fresh_dir, ext, tmp_path / "fresh.log", env=env).wait_ready()
-    try:
-        assert fresh.call("generate", prompts, 8) == tokens
-    finally:
-        fresh.close()
+    check_push(tmp_path, model_dir, "tests.peers.verl_extension:Extension",
+               lambda engine: run_workers(_push_worker, 2, str(model_dir), engine.address, engine.authkey,
+                                          str(tmp_path)),
+               env={"VERL_RAY_JOB_ID": JOB, "VERL_REPLICA_RANK": "0"})
