@@ -25,6 +25,7 @@ import torch
 from ..adamw import constants
 
 _SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "sr_cpu.cpp"
+_DELTA_SOURCE = _SOURCE.with_name("delta_cpu.cpp")
 DISABLE_ENV = "DIST_SR_DISABLE_CPU_KERNEL"
 
 
@@ -83,6 +84,16 @@ class _BuildLock:
 @functools.lru_cache(maxsize=None)
 def load() -> ModuleType:
     """The compiled module, or ``KernelUnavailable`` saying why it is not there."""
+    return _build("dist_sr_cpu", _SOURCE)
+
+
+@functools.lru_cache(maxsize=None)
+def load_delta() -> ModuleType:
+    """The grid-step delta codec's module (``numerics.delta``), built like ``load()``'s."""
+    return _build("dist_sr_delta", _DELTA_SOURCE)
+
+
+def _build(stem: str, source: Path) -> ModuleType:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
@@ -90,7 +101,7 @@ def load() -> ModuleType:
     try:
         from torch.utils import cpp_extension
 
-        name = f"dist_sr_cpu_{_cpu_fingerprint()}_{_env_fingerprint()}"
+        name = f"{stem}_{_cpu_fingerprint()}_{_env_fingerprint()}"
         # no FMA contraction (bits must match the reference); no errno from sqrt, so it vectorises
         flags = ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
         if platform.machine() in ("x86_64", "AMD64"):
@@ -98,7 +109,7 @@ def load() -> ModuleType:
         with _BuildLock(cpp_extension._get_build_directory(name, verbose=False)):
             return cpp_extension.load(
                 name=name,
-                sources=[str(_SOURCE)],
+                sources=[str(source)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
