@@ -7,6 +7,10 @@ each sent by one trainer rank (the *source*). Gather-then-broadcast has one sour
 ranges it holds (an FSDP2 dim-0 shard, a ZeRO-3 partition, or a slice of a replica). In a bucket,
 source ``m`` sends one flat byte buffer: its spans, tensor by tensor, in plan order. Both sides
 verify with the layout-free digest (``numerics.digest``).
+
+Delta syncs: with ``keep`` the engines keep what they load (a host copy of the 16-bit weights);
+with ``delta_base`` set, every span is sent as a grid-step delta (``numerics.delta``) against that
+version, which every member must hold, and each source's bucket buffer is preceded by its length.
 """
 
 from __future__ import annotations
@@ -62,9 +66,12 @@ class SyncPlan:
     senders: int                       # trainer ranks that send (1 = gather-then-broadcast)
     buckets: list[Bucket]
     digest: bool = True                # engines digest what they receive (for verification)
+    keep: bool = False                 # engines keep a copy of what they load (a later delta's base)
+    delta_base: int | None = None      # spans are deltas against this version (None: dense)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "senders": self.senders, "digest": self.digest,
+        return {"version": self.version, "senders": self.senders, "digest": self.digest, "keep": self.keep,
+                "delta_base": self.delta_base,
                 "buckets": [[[t.name, t.dtype, list(t.shape), [[p.src, p.start, p.end] for p in t.spans]]
                              for t in b.tensors] for b in self.buckets]}
 
@@ -72,7 +79,9 @@ class SyncPlan:
     def from_json(cls, data: dict) -> "SyncPlan":
         buckets = [Bucket([TensorPlan(name, dtype, tuple(shape), [Span(*p) for p in spans])
                            for name, dtype, shape, spans in b]) for b in data["buckets"]]
-        return cls(int(data["version"]), int(data["senders"]), buckets, bool(data.get("digest", True)))
+        base = data.get("delta_base")
+        return cls(int(data["version"]), int(data["senders"]), buckets, bool(data.get("digest", True)),
+                   bool(data.get("keep", False)), None if base is None else int(base))
 
     def check(self) -> None:
         """Every tensor covered exactly once by its spans (no gap, no overlap)."""

@@ -7,7 +7,13 @@ the report the trainer verifies. ``python -m dist_sr.weightsync.receiver --port 
 HTTP routes as a vLLM engine in dev mode but only receives (and keeps) the tensors: a real
 receiving process for measuring the transport without vLLM's reload cost (bench/weight_sync.py).
 ``--corrupt NAME`` makes it a faulty engine: it flips one bit of tensor ``NAME`` as it loads it
-(and reports the bits it holds), so the trainer's digest check can be exercised without vLLM.
+(and reports the bits it holds), so the trainer's digest check can be exercised without vLLM;
+``--corrupt delta:NAME`` flips one bit inside the first delta it receives for ``NAME`` (once).
+
+A plan with ``keep`` makes the receiver keep what it loads (the tensors handed to ``load``, a
+host copy of the 16-bit weights: for a vLLM engine, host memory the size of its weights); a plan
+with ``delta_base`` is applied to that copy, and refused unless the receiver holds exactly that
+version from a complete sync (the trainer then sends a dense one).
 
 Nothing changes weights without the job's sync secret (``weightsync.auth``): the receiver checks
 the signatures of ``init_info`` and of every plan itself, and the bare server also every request
@@ -29,6 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from ..numerics import delta as delta_codec
 from ..numerics.backends import cpu
 from ..numerics.digest import DTYPES, tensor_sums
 from . import auth
@@ -85,7 +92,12 @@ class WeightReceiver:
         self.rank: int | None = None
         self.received: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self.state = {"version": None, "digests": {}, "complete": False}
-        self.corrupt = corrupt  # fault injection: the tensor whose first element gets one bit flipped
+        # fault injection: the tensor whose first element gets one bit flipped as it loads, or
+        # ("delta:NAME") whose first delta gets one bit flipped
+        self.corrupt, self.corrupt_delta = (None, corrupt[6:]) if corrupt and corrupt.startswith("delta:") \
+            else (corrupt, None)
+        self.held: dict[str, torch.Tensor] = {}  # flat tensors of the last complete sync (plan.keep)
+        self.held_version: int | None = None
         # Who the trainer verified: a restart gets a new boot id, and every accepted control event
         # counts, so the trainer can tell that an engine changed after it checked the digests.
         self.boot, self.events = secrets.token_hex(8), 0
@@ -138,15 +150,61 @@ class WeightReceiver:
             raise RuntimeError("dist-sr weight transfer is not initialised: call init_weight_transfer_engine first")
         if plan.senders != len(self.groups):
             raise RuntimeError(f"sync plan has {plan.senders} sender(s) but this engine joined {len(self.groups)}")
+        base = plan.delta_base
+        if base is not None and (base != self.held_version or not self.held):
+            raise RuntimeError(f"a delta against weight version {base}, but this engine holds "
+                               f"{self.held_version if self.held else 'no kept version'}: it needs a dense sync")
         self.events += 1
         self.state["complete"] = False
-        for tensors in receive_buckets(self.groups, plan.buckets):  # bucket i+1 arrives while i loads
+        self.held_version = None  # changing from here on
+        if plan.keep and base is None:
+            self.held = {}
+        if base is None:
+            buckets = receive_buckets(self.groups, plan.buckets)  # bucket i+1 arrives while i loads
+        else:
+            buckets = zip(plan.buckets, receive_buckets(self.groups, plan.buckets, sized=True))
+        refused = None
+        for tensors in buckets:
+            if base is not None:
+                try:
+                    tensors = self._apply(*tensors)
+                except delta_codec.DeltaError as exc:  # receive the rest (the trainer is sending it), load nothing
+                    refused = refused or f"{exc}"
+                if refused:
+                    continue
             if self.corrupt is not None:
                 tensors = [(n, _flip_one_bit(t) if n == self.corrupt else t) for n, t in tensors]
+            if plan.keep and base is None:
+                self.held.update((n, t.reshape(-1)) for n, t in tensors)
             if plan.digest:
                 self.received.update(tensor_sums(dict(tensors)))
             load(tensors)
+        if refused:
+            self.held = {}
+            raise RuntimeError(f"the delta against weight version {base} could not be applied ({refused}); "
+                               "this engine needs a dense sync")
         self.state["version"] = plan.version
+        if plan.keep:
+            self.held_version = plan.version
+
+    def _apply(self, bucket, buffers) -> list[tuple[str, torch.Tensor]]:
+        """A delta bucket applied to the kept tensors; the updated tensors, full shape."""
+        cursor = dict.fromkeys(buffers, 0)
+        out = []
+        for t in bucket.tensors:
+            held = self.held.get(t.name)
+            if held is None or held.numel() != t.numel or held.dtype != DTYPES[t.dtype]:
+                raise RuntimeError(f"a delta for {t.name} ({t.dtype}, {t.numel} elements) does not match the kept "
+                                   f"copy ({None if held is None else (held.dtype, held.numel())})")
+            for p in t.spans:
+                buf = buffers[p.src]
+                if self.corrupt_delta == t.name and buf.numel() > cursor[p.src] + delta_codec.HEADER_BYTES:
+                    buf[cursor[p.src] + delta_codec.HEADER_BYTES] ^= 1
+                    self.corrupt_delta = None
+                d, cursor[p.src] = delta_codec.read_delta(buf, cursor[p.src])
+                delta_codec.apply_(held[p.start:p.end], d)
+            out.append((t.name, held.view(t.shape)))
+        return out
 
     def finish(self) -> None:
         self.events += 1
@@ -155,7 +213,7 @@ class WeightReceiver:
     def report(self) -> dict:
         s = self.state
         return {"version": s["version"], "complete": s["complete"], "rank": self.rank, "boot": self.boot,
-                "events": self.events,
+                "events": self.events, "held": self.held_version,
                 "digests": {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in s["digests"].items()}}
 
     def shutdown(self) -> None:
@@ -273,7 +331,8 @@ def main() -> None:
     ap.add_argument("--max-mb", type=float, default=4096.0, help="largest plan accepted (MiB)")
     ap.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client may take to send a request")
     ap.add_argument("--corrupt", metavar="NAME", help="fault injection (tests): flip one bit of tensor NAME as it "
-                    "is loaded, so this receiver holds and reports wrong bits")
+                    "is loaded, so this receiver holds and reports wrong bits; delta:NAME flips one bit of the "
+                    "first delta received for NAME")
     args = ap.parse_args()
     try:
         server = serve(args.port, args.host, args.corrupt, max_bytes=int(args.max_mb * 2**20),

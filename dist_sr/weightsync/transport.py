@@ -99,13 +99,29 @@ class Packer:
         return buf
 
 
-def post_bucket(groups: dict, bucket: Bucket):
-    """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works)."""
+def post_bucket(groups: dict, bucket: Bucket, sized: bool = False):
+    """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works).
+    ``sized``: each buffer is preceded by its length (a delta bucket), received first."""
     buffers, works = {}, []
     for src in bucket.sources():
-        buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
+        if sized:
+            size = torch.zeros(1, dtype=torch.int64)
+            broadcast(groups[src], size).wait()
+            spans = sum(1 for t in bucket.tensors for p in t.spans if p.src == src)
+            if not 0 <= int(size) <= 16 * bucket.nbytes(src) + 128 * spans + 2**16:
+                raise RuntimeError(f"delta bucket from trainer rank {src} claims {int(size)} bytes")
+            buffers[src] = torch.empty(int(size), dtype=torch.uint8)
+        else:
+            buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
         works.append(broadcast(groups[src], buffers[src]))
     return buffers, works
+
+
+def send_sized(group, payload: torch.Tensor) -> int:
+    """Trainer side of a sized buffer: its length, then the bytes; returns the bytes sent."""
+    broadcast(group, torch.tensor([payload.numel()], dtype=torch.int64)).wait()
+    broadcast(group, payload).wait()
+    return 8 + payload.numel()
 
 
 def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
@@ -133,10 +149,16 @@ def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def receive_buckets(groups: dict, buckets: list[Bucket]):
-    """Yield each bucket's tensors, receiving the next bucket while the caller loads this one."""
-    posted = post_bucket(groups, buckets[0]) if buckets else None
+def receive_buckets(groups: dict, buckets: list[Bucket], sized: bool = False):
+    """Yield each bucket's tensors, receiving the next bucket while the caller loads this one
+    (``sized``: yield each bucket's raw buffers per source instead, for the caller to decode)."""
+    posted = post_bucket(groups, buckets[0], sized) if buckets else None
     for i, bucket in enumerate(buckets):
         current = posted
-        posted = post_bucket(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
-        yield finish_bucket(bucket, current)
+        posted = post_bucket(groups, buckets[i + 1], sized) if i + 1 < len(buckets) else None
+        if sized:
+            for w in current[1]:
+                w.wait()
+            yield current[0]
+        else:
+            yield finish_bucket(bucket, current)

@@ -21,6 +21,7 @@ class FleetConfig:
     group_host: str | None = None     # address engines use to reach trainer rank 0 (default: this host)
     transport: str = "broadcast"      # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
     bucket_mb: float = 64.0           # gather/send granularity
+    delta_sync: bool = False          # grid-step deltas after the first verified sync (host copy of the weights kept)
     timeout_s: float = TIMEOUT_S      # per collective and per HTTP call; an engine that exceeds it is dropped
     snapshot_dir: str | None = None   # versioned safetensors snapshots, for engines that (re)start
     snapshot_every: int = 0           # with snapshot_dir: also every N versions (0 = only the start weights)

@@ -46,7 +46,7 @@ class VLLMFleetEngine:
         sync = WeightSync(trainer.weight_source(), controls(fleet_cfg.urls, fleet_cfg.timeout_s),
                           transport=fleet_cfg.transport,
                           bucket_mb=fleet_cfg.bucket_mb, timeout_s=fleet_cfg.timeout_s, group_host=host,
-                          group_port=fleet_cfg.group_port)
+                          group_port=fleet_cfg.group_port, delta=fleet_cfg.delta_sync)
         return cls(sync, tokenizer, timeout_s=fleet_cfg.timeout_s, device=device, snapshot_dir=fleet_cfg.snapshot_dir,
                    snapshot_every=fleet_cfg.snapshot_every, model_config=getattr(trainer.module, "config", None),
                    startup_timeout_s=fleet_cfg.startup_timeout_s)
