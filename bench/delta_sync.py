@@ -189,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--large", action="store_true", help="also the 11.5M-parameter synthetic steps and a speed run")
     ap.add_argument("--large-steps", type=int, default=5)
     args = ap.parse_args(argv)
+    from dist_sr.numerics.backends import cpu
+
+    cpu.load_delta()  # the C++ codec (built once per environment); without it the torch reference runs
     print(f"delta-sync: real GRPO steps of configs/quickstart.yaml, {args.steps} per precision", flush=True)
     rows = grpo_rows(args)
     extra = {}

@@ -29,5 +29,5 @@ fi
 "$venv/bin/python" -c "import vllm, dist_sr.rollout.vllm.plugin as p; print('setup_vllm: vLLM', vllm.__version__, 'with the dist_sr backend')"
 # build the C++ kernel for this environment now, so engines digest received weights with it from
 # their first sync instead of building it in the background
-"$venv/bin/python" -c "from dist_sr.numerics.backends import cpu; cpu.load(); print('setup_vllm: CPU kernel built')" \
+"$venv/bin/python" -c "from dist_sr.numerics.backends import cpu; cpu.load(); cpu.load_delta(); print('setup_vllm: CPU kernel built')" \
   || echo "setup_vllm: CPU kernel not built (engines digest with torch)"

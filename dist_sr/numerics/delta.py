@@ -16,6 +16,10 @@ is the other BF16 neighbour of an FP32 shadow that barely moved, so its code dif
   LEB128 numbers: the gap from the previous escape's index, and the rest ``r = s - sign(s)``
   zigzag-coded minus one (a jump of two or three steps costs two bytes).
 
+When that would be larger than the tensor itself (most weights moving several grid steps: a large
+learning rate), the delta is the new codes (``layout="dense"``), so a delta never costs more than
+the dense tensor plus its header.
+
 The coding is on raw codes modulo 2^16, so it is exact for every bit pattern (NaN, Inf, -0,
 subnormals): ``apply_(old.clone(), encode(old, new))`` equals ``new`` bitwise. ``encode`` and
 ``apply_`` run the C++ kernel on CPU tensors (``csrc/delta_cpu.cpp``) and the torch reference
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("bitmap", "gaps")
+LAYOUTS = ("bitmap", "gaps", "dense")
 MAGIC = b"DSRD"
 _HEADER = struct.Struct("<4sBBxxQQQQQQ")  # magic, format version, layout, numel, changed, escapes,
 HEADER_BYTES = _HEADER.size               # position bytes, sign bytes, escape bytes
@@ -111,12 +115,11 @@ def _codes(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _kernel():
+    """The C++ kernel if this process has it built (``backends.cpu.warm_up_in_background`` or
+    ``load_delta`` builds it); never waits for a compile: until then the reference runs."""
     from .backends import cpu
 
-    try:
-        return cpu.load_delta()
-    except cpu.KernelUnavailable:
-        return None
+    return cpu.loaded_delta()
 
 
 def encode(old: torch.Tensor, new: torch.Tensor, *, layout: str | None = None, reference: bool = False) -> Delta:
@@ -127,12 +130,21 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, layout: str | None = None, r
         raise DeltaError(f"the versions differ in size: {a.numel()} vs {b.numel()} elements")
     if layout is not None and layout not in LAYOUTS:
         raise DeltaError(f"unknown delta layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "dense":
+        return _dense(b)
     force = -1 if layout is None else LAYOUTS.index(layout)
     kernel = None if reference or a.device.type != "cpu" else _kernel()
     if kernel is None:
-        return _encode_reference(a, b, force)
-    pos, sig, esc, lay, changed, escapes = kernel.encode(a.contiguous(), b.contiguous(), force)
-    return Delta(a.numel(), LAYOUTS[lay], int(changed), int(escapes), pos, sig, esc)
+        d = _encode_reference(a, b, force)
+    else:
+        pos, sig, esc, lay, changed, escapes = kernel.encode(a.contiguous(), b.contiguous(), force)
+        d = Delta(a.numel(), LAYOUTS[lay], int(changed), int(escapes), pos, sig, esc)
+    return _dense(b) if layout is None and d.nbytes > HEADER_BYTES + 2 * a.numel() else d
+
+
+def _dense(b: torch.Tensor) -> Delta:
+    empty = torch.empty(0, dtype=torch.uint8)
+    return Delta(b.numel(), "dense", 0, 0, b.contiguous().view(torch.uint8).cpu().clone(), empty, empty)
 
 
 def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False) -> torch.Tensor:
@@ -143,6 +155,12 @@ def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False) -> torc
     h = _codes(held, "the held version")
     if h.numel() != delta.numel:
         raise DeltaError(f"a delta for {delta.numel} elements does not apply to a tensor of {h.numel()}")
+    if delta.layout == "dense":
+        if delta.positions.numel() != 2 * h.numel() or delta.changed or delta.escapes:
+            raise DeltaError(f"damaged delta: a dense delta of {delta.positions.numel()} bytes for {h.numel()} "
+                             "16-bit elements")
+        h.copy_(delta.positions.to(h.device).view(torch.int16))
+        return held
     kernel = None if reference or h.device.type != "cpu" else _kernel()
     if kernel is None:
         _apply_reference(h, delta)

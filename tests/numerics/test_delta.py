@@ -26,7 +26,7 @@ def _codes(values) -> torch.Tensor:
 def _roundtrip(old: torch.Tensor, new: torch.Tensor) -> list[delta.Delta]:
     """Every path (kernel and reference, each layout, through the wire form) turns old into new."""
     out = []
-    for layout in (None, "bitmap", "gaps"):
+    for layout in (None, "bitmap", "gaps", "dense"):
         ref = delta.encode(old, new, layout=layout, reference=True)
         fast = delta.encode(old, new, layout=layout)
         assert fast.to_bytes() == ref.to_bytes()
@@ -143,3 +143,19 @@ def test_bad_input_names_the_problem():
         delta.encode(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(delta.DeltaError, match="unknown delta layout"):
         delta.encode(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), layout="rle")
+
+
+def test_a_delta_never_costs_more_than_the_dense_tensor():
+    """Every weight moving many grid steps (a huge learning rate): the dense layout is chosen."""
+    g = torch.Generator().manual_seed(9)
+    old = torch.randn(10000, generator=g).to(torch.bfloat16)
+    new = (old.float() * 1.5 + 0.1).to(torch.bfloat16)
+    d = _roundtrip(old, new)[0]
+    assert d.layout == "dense" and d.nbytes == delta.HEADER_BYTES + 2 * old.numel()
+    damaged = bytearray(d.to_bytes())
+    damaged[16] = 1  # the header's change count (bytes 16-23) no longer matches its fields
+    with pytest.raises(delta.DeltaError, match="damaged delta"):
+        delta.Delta.from_bytes(damaged)
+    short = delta.Delta(d.numel - 1, "dense", 0, 0, d.positions[:-2], d.signs, d.escape_bytes)
+    with pytest.raises(delta.DeltaError, match="does not apply"):
+        delta.apply_(old.clone(), short)

@@ -126,10 +126,11 @@ def warm_up_in_background() -> None:
     import threading
 
     def run():
-        try:
-            load()
-        except KernelUnavailable:
-            pass
+        for build in (load, load_delta):
+            try:
+                build()
+            except KernelUnavailable:
+                pass
 
     threading.Thread(target=run, name="dist-sr-kernel-build", daemon=True).start()
 
@@ -141,6 +142,17 @@ def loaded() -> ModuleType | None:
         return None
     try:
         return load()
+    except KernelUnavailable:
+        return None
+
+
+def loaded_delta() -> ModuleType | None:
+    """The delta codec's kernel if already built or loaded in this process, else None (never
+    builds: a receiver applies deltas with the torch reference, the same bytes, meanwhile)."""
+    if load_delta.cache_info().currsize == 0:
+        return None
+    try:
+        return load_delta()
     except KernelUnavailable:
         return None
 
