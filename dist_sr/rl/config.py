@@ -93,6 +93,12 @@ class GRPOConfig:
     # a run that skips more than this share of its steps (non-finite gradients, loss-scale
     # overflows) stops with an error instead of finishing without training
     max_skipped_fraction: float = 0.25
+    # training-inference mismatch (rollouts from another engine, dist_sr.rl.mismatch): the
+    # importance-sampling correction (none | tis: token-level truncated | mis: sequence-level
+    # masked), its cap (> 1), and the |log-ratio| a token counts as mismatched beyond
+    is_correction: str = "none"
+    is_cap: float = 2.0
+    mismatch_threshold: float = 0.1
 
     def __post_init__(self):
         if self.samples_per_prompt < 2:
@@ -108,6 +114,12 @@ class GRPOConfig:
             raise ConfigError(f"grpo.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.eps <= 0 or self.weight_decay < 0 or self.clip_eps <= 0 or self.kl_coef < 0:
             raise ConfigError("grpo.eps and grpo.clip_eps must be > 0, grpo.weight_decay and grpo.kl_coef >= 0")
+        if self.is_correction not in ("none", "tis", "mis"):
+            raise ConfigError(f"grpo.is_correction: unknown correction {self.is_correction!r}; choose none, tis "
+                              "(token-level truncated importance sampling) or mis (sequence-level masked)")
+        if not self.is_cap > 1 or not self.mismatch_threshold > 0:
+            raise ConfigError(f"grpo.is_cap must be > 1 (got {self.is_cap}) and grpo.mismatch_threshold > 0 "
+                              f"(got {self.mismatch_threshold})")
         if not 0 <= self.max_skipped_fraction < 1:
             raise ConfigError(f"grpo.max_skipped_fraction must be in [0, 1) (the share of steps a run may skip), got "
                               f"{self.max_skipped_fraction}")

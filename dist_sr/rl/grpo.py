@@ -45,11 +45,16 @@ def masked_mean_per_sequence(x: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return ((x * m).sum(1) / m.sum(1).clamp_min(1)).mean()
 
 
-def grpo_loss(logp, old_logp, advantages, mask, *, clip_eps: float, ref_logp=None, kl_coef: float = 0.0):
-    """Clipped policy-gradient loss with an optional k3 KL penalty; returns (loss, stats)."""
+def grpo_loss(logp, old_logp, advantages, mask, *, clip_eps: float, ref_logp=None, kl_coef: float = 0.0,
+              is_weights=None):
+    """Clipped policy-gradient loss with an optional k3 KL penalty; returns (loss, stats).
+    ``is_weights`` ([N, T], no gradient) multiply the policy-gradient term per token: an
+    importance-sampling correction for rollouts from another engine (``rl.mismatch``)."""
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None]
     pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if is_weights is not None:
+        pg = pg * is_weights.detach()
     per_token = pg
     stats = {}
     if ref_logp is not None:

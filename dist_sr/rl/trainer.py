@@ -35,6 +35,7 @@ from ..rollout import RolloutEngine, make_rollout_engine
 from .config import ExperimentConfig, to_dict
 from .evaluation import evaluate, fixed_examples
 from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
+from .mismatch import importance_weights, mismatch_metrics
 from .model import load_pretrained
 from .preflight import preflight
 from .warmup import make_task, warmup_checkpoint
@@ -325,8 +326,15 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
         with torch.no_grad():
             ref_logp = token_logprobs(sequence_logits(ref_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                                       ro.completion_mask), ro.completion_ids)
+        mismatch, is_weights = {}, None
+        if ro.engine_logprobs is not None:  # rollouts from another engine: measure, and correct if asked
+            mismatch = mismatch_metrics(logp, ro.engine_logprobs, ro.completion_mask, threshold=g.mismatch_threshold)
+            is_weights, done = importance_weights(logp, ro.engine_logprobs, ro.completion_mask,
+                                                  mode=g.is_correction, cap=g.is_cap)
+            mismatch.update(done)
         loss, stats = grpo_loss(logp, logp.detach(), group_advantages(rewards, g.samples_per_prompt),
-                                ro.completion_mask, clip_eps=g.clip_eps, ref_logp=ref_logp, kl_coef=g.kl_coef)
+                                ro.completion_mask, clip_eps=g.clip_eps, ref_logp=ref_logp, kl_coef=g.kl_coef,
+                                is_weights=is_weights)
         nonfinite = _all_sum([0.0 if bool(torch.isfinite(loss.detach())) else 1.0], world)[0] > 0
         if nonfinite:  # every rank skips together (backward holds collectives)
             grad_norm, stepped = float("nan"), False
@@ -340,6 +348,9 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
         record = {"step": step, "reward": reward, "loss": loss_mean, "grad_norm": grad_norm, "kl_k3": kl_k3,
                   "weight_version": ro.weight_version, "skipped": not stepped, "nonfinite": nonfinite,
                   **(trainer.meter.update() if trainer.meter is not None else {})}
+        record.update(getattr(rollout, "sync_metrics", dict)())  # rank 0's view of the weight sync
+        if mismatch:  # every rank has them (same engine kind); means over ranks
+            record.update(zip(sorted(mismatch), _all_mean([mismatch[k] for k in sorted(mismatch)], world)))
         if step % cfg.eval.every == 0 or step == g.steps:
             record.update(run_eval())
         record["step_time"] = time.perf_counter() - t0

@@ -30,6 +30,9 @@ class Rollouts:
     texts: list[str]               # decoded completions (special tokens removed)
     weight_version: int
     weight_digest: str | None
+    # [N, T] the engine's log-probabilities of the tokens it sampled (0 after the mask), when the
+    # engine is not the trainer's own module (the trainer then measures the mismatch)
+    engine_logprobs: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

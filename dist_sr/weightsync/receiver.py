@@ -157,8 +157,8 @@ class WeightReceiver:
         self.events += 1
         self.state["complete"] = False
         self.held_version = None  # changing from here on
-        if plan.keep and base is None:
-            self.held = {}
+        if base is None:
+            self.held = {}  # a dense sync replaces whatever was kept
         if base is None:
             buckets = receive_buckets(self.groups, plan.buckets)  # bucket i+1 arrives while i loads
         else:

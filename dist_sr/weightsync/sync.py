@@ -98,6 +98,10 @@ class WeightSync:
         self.generation = 0
         self.last: SyncResult | None = None
         self.delta = delta
+        if delta:
+            from ..numerics.backends import cpu
+
+            cpu.warm_up_in_background()  # the delta codec's kernel, built once per environment
         self.base: dict[tuple[str, int], torch.Tensor] = {}  # what this rank last sent, per piece
         self.base_version: int | None = None
 

