@@ -159,7 +159,6 @@ class WeightReceiver:
         self.held_version = None  # changing from here on
         if base is None:
             self.held = {}  # a dense sync replaces whatever was kept
-        if base is None:
             buckets = receive_buckets(self.groups, plan.buckets)  # bucket i+1 arrives while i loads
         else:
             buckets = zip(plan.buckets, receive_buckets(self.groups, plan.buckets, sized=True))
