@@ -138,21 +138,20 @@ def warm_up_in_background() -> None:
 def loaded() -> ModuleType | None:
     """The kernel if this process has already built or loaded it, else None (never builds: for
     paths such as digests inside a vLLM worker, which must not stall on a first compile)."""
-    if load.cache_info().currsize == 0:
-        return None
-    try:
-        return load()
-    except KernelUnavailable:
-        return None
+    return _if_loaded(load)
 
 
 def loaded_delta() -> ModuleType | None:
     """The delta codec's kernel if already built or loaded in this process, else None (never
     builds: a receiver applies deltas with the torch reference, the same bytes, meanwhile)."""
-    if load_delta.cache_info().currsize == 0:
+    return _if_loaded(load_delta)
+
+
+def _if_loaded(build) -> ModuleType | None:
+    if build.cache_info().currsize == 0:  # not built in this process yet (or still building)
         return None
     try:
-        return load_delta()
+        return build()
     except KernelUnavailable:
         return None
 
