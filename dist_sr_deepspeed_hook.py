@@ -22,8 +22,10 @@ import sys
 ENV = "DIST_SR_DEEPSPEED_HOOK"
 PTH_NAME = "dist_sr_deepspeed_hook.pth"
 # the .pth line: a missing dist-sr (uninstalled without removing the file) must not break start-up
-PTH_LINE = ("import os, sys; exec('try:\\n import dist_sr_deepspeed_hook as h\\nexcept ImportError:\\n h = None\\n"
-            "if h is not None: h.register()')\n")
+PTH_LINE = (
+    "import os, sys; exec('try:\\n import dist_sr_deepspeed_hook as h\\nexcept ImportError:\\n h = None\\n"
+    "if h is not None: h.register()')\n"
+)
 
 
 class _Loader(importlib.abc.Loader):
@@ -40,9 +42,11 @@ class _Loader(importlib.abc.Loader):
         try:
             from dist_sr.engines.deepspeed.hook import hooked_initialize
         except Exception as exc:  # a broken dist-sr install must say so, not leave SR configs to RTN
-            raise ImportError(f"dist-sr's deepspeed hook ({PTH_NAME}) could not import dist_sr: {exc!r}. Repair "
-                              f"the dist-sr install, or remove the hook (`dist-sr deepspeed-hook uninstall`; "
-                              f"{ENV}=0 for one process)") from exc
+            raise ImportError(
+                f"dist-sr's deepspeed hook ({PTH_NAME}) could not import dist_sr: {exc!r}. Repair "
+                f"the dist-sr install, or remove the hook (`dist-sr deepspeed-hook uninstall`; "
+                f"{ENV}=0 for one process)"
+            ) from exc
         if not getattr(module.initialize, "__dist_sr_hook__", False):
             module.initialize = hooked_initialize(module.initialize)
 
@@ -118,22 +122,28 @@ def uninstall(directory: str | None = None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="dist-sr deepspeed-hook", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="dist-sr deepspeed-hook", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("action", choices=["install", "uninstall", "status"])
     ap.add_argument("--site-dir", help="directory for the .pth (default: this environment's site-packages)")
     a = ap.parse_args(argv)
     path = pth_path(a.site_dir)
     if a.action == "install":
-        print(f"installed {install(a.site_dir)}: scripts that call deepspeed.initialize now honour the config's "
-              f'"stochastic_rounding" block ({ENV}=0 turns it off for one process)')
+        print(
+            f"installed {install(a.site_dir)}: scripts that call deepspeed.initialize now honour the config's "
+            f'"stochastic_rounding" block ({ENV}=0 turns it off for one process)'
+        )
     elif a.action == "uninstall":
         print(f"removed {path}" if uninstall(a.site_dir) else f"not installed ({path} does not exist)")
     else:
         there = os.path.exists(path)
         active = any(isinstance(f, _Finder) for f in sys.meta_path) or getattr(
-            getattr(sys.modules.get("deepspeed"), "initialize", None), "__dist_sr_hook__", False)
-        print(f"{path}: {'installed' if there else 'not installed'}; in this process: "
-              f"{'active' if active else 'inactive'}{'' if enabled() else f' ({ENV} disables it)'}")
+            getattr(sys.modules.get("deepspeed"), "initialize", None), "__dist_sr_hook__", False
+        )
+        print(
+            f"{path}: {'installed' if there else 'not installed'}; in this process: "
+            f"{'active' if active else 'inactive'}{'' if enabled() else f' ({ENV} disables it)'}"
+        )
         return 0 if there else 1
     return 0

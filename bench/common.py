@@ -14,8 +14,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def round_robin(candidates: dict[str, Callable[[], object]], rounds: int, device: str = "cpu",
-                warmup: int = 1) -> dict[str, float]:
+def round_robin(
+    candidates: dict[str, Callable[[], object]], rounds: int, device: str = "cpu", warmup: int = 1
+) -> dict[str, float]:
     """Median seconds per call of each candidate. One call of each per round, in turn, so machine
     noise hits all alike; wall time between device synchronisations (host work included)."""
     for _ in range(warmup):

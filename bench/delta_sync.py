@@ -38,8 +38,13 @@ from dist_sr.numerics import delta  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
-PRECISIONS = [("fp32", "fp32", False), ("bf16", "bf16", False), ("bf16-sr", "bf16-sr", False),
-              ("bf16-dither", "bf16-dither", False), ("bf16-offgrid", "bf16", True)]
+PRECISIONS = [
+    ("fp32", "fp32", False),
+    ("bf16", "bf16", False),
+    ("bf16-sr", "bf16-sr", False),
+    ("bf16-dither", "bf16-dither", False),
+    ("bf16-offgrid", "bf16", True),
+]
 
 
 def _timed(fn, repeat: int) -> float:
@@ -88,11 +93,18 @@ class Meter:
         self.prev.copy_(bucket)
 
     def row(self, name: str, source: str) -> dict:
-        return {"precision": name, "source": source, "dense_bytes": self.dense, "delta_bytes": self.coded,
-                "ratio": self.dense / max(self.coded, 1), "changed_frac": self.changed / max(self.elements, 1),
-                "escape_frac": self.escapes / max(self.changed, 1), "layouts": self.layouts,
-                "encode_gbs": self.dense / max(self.encode_s, 1e-12) / 1e9,
-                "decode_gbs": self.dense / max(self.decode_s, 1e-12) / 1e9}
+        return {
+            "precision": name,
+            "source": source,
+            "dense_bytes": self.dense,
+            "delta_bytes": self.coded,
+            "ratio": self.dense / max(self.coded, 1),
+            "changed_frac": self.changed / max(self.elements, 1),
+            "escape_frac": self.escapes / max(self.changed, 1),
+            "layouts": self.layouts,
+            "encode_gbs": self.dense / max(self.encode_s, 1e-12) / 1e9,
+            "decode_gbs": self.dense / max(self.decode_s, 1e-12) / 1e9,
+        }
 
 
 def _bucket(model) -> torch.Tensor:
@@ -121,16 +133,27 @@ def grpo_rows(args) -> list[dict]:
                 meter.send(_bucket(self.model))
 
         with tempfile.TemporaryDirectory() as out:
-            cfg = load_experiment(REPO / "configs" / "quickstart.yaml", {
-                "precision": precision, "shadow_jitter": jitter, "grpo.steps": args.steps, "eval.every": 10**6,
-                "output_dir": out, "checkpoint_every": 0})
+            cfg = load_experiment(
+                REPO / "configs" / "quickstart.yaml",
+                {
+                    "precision": precision,
+                    "shadow_jitter": jitter,
+                    "grpo.steps": args.steps,
+                    "eval.every": 10**6,
+                    "output_dir": out,
+                    "checkpoint_every": 0,
+                },
+            )
             t0 = time.perf_counter()
             train(cfg, progress=False, make_engine=lambda model, tok: Capture(model, tok))
         row = meter.row(name, f"quickstart GRPO, {args.steps} steps")
         row["train_s"] = time.perf_counter() - t0
         rows.append(row)
-        print(f"  {name}: changed/step {row['changed_frac']:.4f}, escapes {row['escape_frac']:.4f} of changes, "
-              f"layouts {row['layouts']}", flush=True)
+        print(
+            f"  {name}: changed/step {row['changed_frac']:.4f}, escapes {row['escape_frac']:.4f} of changes, "
+            f"layouts {row['layouts']}",
+            flush=True,
+        )
     return rows
 
 
@@ -174,10 +197,21 @@ def speed_rows(args) -> list[dict]:
         work = old.clone()
         enc = 2 * n / _timed(lambda: delta.encode(old, new), 5) / 1e9
         dec = 2 * n / _timed(lambda: delta.apply_(work, d), 5) / 1e9  # each run applies once more: same cost
-        rows.append({"case": label, "elements": n, "ratio": 2 * n / d.nbytes, "encode_gbs": enc, "decode_gbs": dec,
-                     "memcpy_gbs": memcpy})
-        print(f"  speed, {label}: 1/{2 * n / d.nbytes:.1f} of dense; encode {enc:.2f} GB/s, decode {dec:.2f} GB/s, "
-              f"memcpy {memcpy:.2f} GB/s (one thread)", flush=True)
+        rows.append(
+            {
+                "case": label,
+                "elements": n,
+                "ratio": 2 * n / d.nbytes,
+                "encode_gbs": enc,
+                "decode_gbs": dec,
+                "memcpy_gbs": memcpy,
+            }
+        )
+        print(
+            f"  speed, {label}: 1/{2 * n / d.nbytes:.1f} of dense; encode {enc:.2f} GB/s, decode {dec:.2f} GB/s, "
+            f"memcpy {memcpy:.2f} GB/s (one thread)",
+            flush=True,
+        )
     return rows
 
 
@@ -199,13 +233,18 @@ def main(argv=None) -> int:
         extra["large"] = large_rows(args)
         extra["speed"] = speed_rows(args)
         for r in extra["large"]:
-            print(f"  {r['precision']}, {r['source']}: 1/{r['ratio']:.1f} of dense, changed/step "
-                  f"{r['changed_frac']:.4f}, escapes {r['escape_frac']:.4f} of changes", flush=True)
+            print(
+                f"  {r['precision']}, {r['source']}: 1/{r['ratio']:.1f} of dense, changed/step "
+                f"{r['changed_frac']:.4f}, escapes {r['escape_frac']:.4f} of changes",
+                flush=True,
+            )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "delta_sync.json").write_text(json.dumps({"grpo": rows, **extra}, indent=1) + "\n")
     for r in rows:
-        print(f"delta-sync: {r['precision']}: dense {r['dense_bytes']} bytes, delta {r['delta_bytes']} bytes "
-              f"(1/{r['ratio']:.1f}), encode {r['encode_gbs']:.2f} GB/s, decode {r['decode_gbs']:.2f} GB/s")
+        print(
+            f"delta-sync: {r['precision']}: dense {r['dense_bytes']} bytes, delta {r['delta_bytes']} bytes "
+            f"(1/{r['ratio']:.1f}), encode {r['encode_gbs']:.2f} GB/s, decode {r['decode_gbs']:.2f} GB/s"
+        )
     return 0
 
 

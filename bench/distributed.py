@@ -29,10 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def tiny_llama(hidden: int, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 8 * 8,
-                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -40,9 +46,14 @@ def tiny_llama(hidden: int, layers: int):
 def deepspeed_engine(model, sr: bool):
     from dist_sr.engines import deepspeed as dsr
 
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-              "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
+    }
     if sr:
         config["stochastic_rounding"] = {"enabled": True, "seed": 1, "mode": "stochastic"}
     engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -94,23 +105,36 @@ def fsdp2_precision_step_fn(model, precision: dict):
     def held_bytes() -> tuple[int, int]:
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
         weights = sum(local(p).numel() * p.element_size() for p in model.parameters())
-        state = sum(local(v).numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor))
+        state = sum(
+            local(v).numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
         return weights, state
 
     return step, held_bytes
 
 
 def worker(rank: int, world: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args.port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ids = torch.randint(0, 2048, (4, args.seq), generator=torch.Generator().manual_seed(rank))
     results = {}
     for engine_name, make in (("ZeRO-2", deepspeed_engine), ("FSDP2", fsdp2_step_fn)):
-        steps = {"RTN": make(tiny_llama(args.hidden, args.layers), sr=False),
-                 "SR": make(tiny_llama(args.hidden, args.layers), sr=True)}
+        steps = {
+            "RTN": make(tiny_llama(args.hidden, args.layers), sr=False),
+            "SR": make(tiny_llama(args.hidden, args.layers), sr=True),
+        }
         times = {k: [] for k in steps}
         for i in range(args.steps + 2):
             for variant, step in steps.items():
@@ -121,10 +145,14 @@ def worker(rank: int, world: int, args) -> None:
                 if i >= 2:  # warm-up
                     times[variant].append(time.perf_counter() - t0)
         results[engine_name] = {k: statistics.median(v) for k, v in times.items()}
-    variants = {"bf16-sr (FP32 masters)": {"precision": "bf16-sr", "seed": 1},
-                "bf16-pure-sr, FP32 moments": {"precision": "bf16-pure-sr", "seed": 1},
-                "bf16-pure-sr, BF16 moments": {"precision": "bf16-pure-sr", "seed": 1, "moment_dtype": "bf16"}}
-    built = {name: fsdp2_precision_step_fn(tiny_llama(args.hidden, args.layers), prec) for name, prec in variants.items()}
+    variants = {
+        "bf16-sr (FP32 masters)": {"precision": "bf16-sr", "seed": 1},
+        "bf16-pure-sr, FP32 moments": {"precision": "bf16-pure-sr", "seed": 1},
+        "bf16-pure-sr, BF16 moments": {"precision": "bf16-pure-sr", "seed": 1, "moment_dtype": "bf16"},
+    }
+    built = {
+        name: fsdp2_precision_step_fn(tiny_llama(args.hidden, args.layers), prec) for name, prec in variants.items()
+    }
     times = {k: [] for k in built}
     for i in range(args.steps + 2):
         for name, (step, _) in built.items():
@@ -137,18 +165,24 @@ def worker(rank: int, world: int, args) -> None:
     pure = {name: {"step": statistics.median(times[name]), "bytes": built[name][1]()} for name in built}
     if rank == 0:
         n = sum(p.numel() for p in tiny_llama(args.hidden, args.layers).parameters())
-        print(f"# distributed step, tiny Llama ({n / 1e6:.1f}M params), {world} ranks on gloo, "
-              f"{torch.get_num_threads()} threads/rank, batch 4x{args.seq}/rank\n")
+        print(
+            f"# distributed step, tiny Llama ({n / 1e6:.1f}M params), {world} ranks on gloo, "
+            f"{torch.get_num_threads()} threads/rank, batch 4x{args.seq}/rank\n"
+        )
         print("| engine | RTN step (ms) | SR step (ms) | SR / RTN |\n|---|---:|---:|---:|")
         for name, r in results.items():
             print(f"| {name} | {r['RTN'] * 1e3:.0f} | {r['SR'] * 1e3:.0f} | {r['SR'] / r['RTN']:.3f} |")
         base = pure["bf16-sr (FP32 masters)"]
-        print("\n| FSDP2 variant | weights bytes/rank | optimizer state bytes/rank | total vs bf16-sr | step (ms) "
-              "| step vs bf16-sr |\n|---|---:|---:|---:|---:|---:|")
+        print(
+            "\n| FSDP2 variant | weights bytes/rank | optimizer state bytes/rank | total vs bf16-sr | step (ms) "
+            "| step vs bf16-sr |\n|---|---:|---:|---:|---:|---:|"
+        )
         for name, r in pure.items():
             (w, st), (bw, bst) = r["bytes"], base["bytes"]
-            print(f"| {name} | {w / 2**20:.2f} MiB | {st / 2**20:.2f} MiB | {(w + st) / (bw + bst):.2f}x | "
-                  f"{r['step'] * 1e3:.0f} | {r['step'] / base['step']:.3f} |")
+            print(
+                f"| {name} | {w / 2**20:.2f} MiB | {st / 2**20:.2f} MiB | {(w + st) / (bw + bst):.2f}x | "
+                f"{r['step'] * 1e3:.0f} | {r['step'] / base['step']:.3f} |"
+            )
         results["FSDP2 precision"] = pure
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -70,21 +70,27 @@ def rounding_rows(device: str, calls: int) -> dict[str, float]:
     steps = itertools.count(1)
     backend = "triton"
     rows = {
-        "dist-sr stochastic_round(x, out=out)": lambda: stochastic_round(x, seed=1, step=next(steps), param="w",
-                                                                       out=out, backend=backend),
-        "dist-sr stochastic_round(x) (allocates out)": lambda: stochastic_round(x, seed=1, step=next(steps),
-                                                                              param="w", backend=backend),
-        "dist-sr stochastic_round(2-D weight)": lambda: stochastic_round(w, seed=1, step=next(steps), param="w",
-                                                                       backend=backend),
+        "dist-sr stochastic_round(x, out=out)": lambda: stochastic_round(
+            x, seed=1, step=next(steps), param="w", out=out, backend=backend
+        ),
+        "dist-sr stochastic_round(x) (allocates out)": lambda: stochastic_round(
+            x, seed=1, step=next(steps), param="w", backend=backend
+        ),
+        "dist-sr stochastic_round(2-D weight)": lambda: stochastic_round(
+            w, seed=1, step=next(steps), param="w", backend=backend
+        ),
         "dist-sr stochastic_round(x, mode='nearest', out=out)": lambda: stochastic_round(
-            x, seed=1, step=1, param="w", mode="nearest", out=out, backend=backend),
+            x, seed=1, step=1, param="w", mode="nearest", out=out, backend=backend
+        ),
     }
     yardsticks = {
         "torch out.copy_(x) (RTN cast)": lambda: one_out.copy_(one),
         "torch x.to(torch.bfloat16) (RTN cast, allocates)": lambda: one.to(torch.bfloat16),
     }
-    return {**{k: per_call_us(f, calls, device) for k, f in rows.items()},
-            **{k: per_call_us(f, calls, device) for k, f in yardsticks.items()}}
+    return {
+        **{k: per_call_us(f, calls, device) for k, f in rows.items()},
+        **{k: per_call_us(f, calls, device) for k, f in yardsticks.items()},
+    }
 
 
 def step_rows(device: str, steps: int) -> dict[str, float]:
@@ -102,21 +108,26 @@ def step_rows(device: str, steps: int) -> dict[str, float]:
 
     builds = {
         "ShadowAdamW.step (290 tensors)": lambda: ShadowAdamW(params(), lr=1e-5, seed=1, backend="triton"),
-        "AdamWSR.step, FP32 moments (290 tensors)": lambda: AdamWSR(params(), lr=1e-5, seed=1, moment_dtype="fp32",
-                                                                    backend="triton"),
-        "AdamWSR.step, BF16 moments (290 tensors)": lambda: AdamWSR(params(), lr=1e-5, seed=1, moment_dtype="bf16",
-                                                                    backend="triton"),
+        "AdamWSR.step, FP32 moments (290 tensors)": lambda: AdamWSR(
+            params(), lr=1e-5, seed=1, moment_dtype="fp32", backend="triton"
+        ),
+        "AdamWSR.step, BF16 moments (290 tensors)": lambda: AdamWSR(
+            params(), lr=1e-5, seed=1, moment_dtype="bf16", backend="triton"
+        ),
     }
     for name, build in builds.items():
         opt = build()
         rows[name] = per_call_us(opt.step, steps, device)
     # ShadowOptimizer's own part of a step (the inner torch optimizer's is torch's): the rounding
-    jobs = [RoundingJob(n, torch.randn(s, device=device), torch.empty(s, dtype=torch.bfloat16, device=device))
-            for n, s in shapes]
+    jobs = [
+        RoundingJob(n, torch.randn(s, device=device), torch.empty(s, dtype=torch.bfloat16, device=device))
+        for n, s in shapes
+    ]
     batch = RoundingBatch(jobs, backend="triton")
     counter = itertools.count(1)
     rows["RoundingBatch.run, ShadowOptimizer's rounding (290 tensors)"] = per_call_us(
-        lambda: batch.run(seed=1, step=next(counter)), steps, device)
+        lambda: batch.run(seed=1, step=next(counter)), steps, device
+    )
     if device == "cuda":
         ps = params()
         torch_opt = torch.optim.AdamW([p for _, p in ps], lr=1e-5, fused=True)

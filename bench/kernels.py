@@ -131,18 +131,25 @@ def main() -> None:
             print(f"| {k} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | {t / base:.2f}x |")
         if dev == "cuda":
             sr = casts["dist-sr SR (Triton)"]
-            print(f"\nSR cast bandwidth, one synchronised call: {6 * n / sr / 1e9:.0f} GB/s = "
-                  f"{6 * n / sr / copy_bw:.0%} of the measured copy")
+            print(
+                f"\nSR cast bandwidth, one synchronised call: {6 * n / sr / 1e9:.0f} GB/s = "
+                f"{6 * n / sr / copy_bw:.0%} of the measured copy"
+            )
             cands = cast_candidates(n, dev)
             b2b = {k: back_to_back_ms(cands[k]) for k in ("FP32 copy", "RTN cast out.copy_(x)", "dist-sr SR (Triton)")}
             sr_b, copy_b = 6 * n / b2b["dist-sr SR (Triton)"] / 1e6, 8 * n / b2b["FP32 copy"] / 1e6
-            print(f"SR cast bandwidth, 20 calls back to back (CUDA events): {sr_b:.0f} GB/s = {sr_b / copy_b:.0%} "
-                  f"of the copy's {copy_b:.0f} GB/s (RTN cast {6 * n / b2b['RTN cast out.copy_(x)'] / 1e6:.0f} GB/s)")
+            print(
+                f"SR cast bandwidth, 20 calls back to back (CUDA events): {sr_b:.0f} GB/s = {sr_b / copy_b:.0%} "
+                f"of the copy's {copy_b:.0f} GB/s (RTN cast {6 * n / b2b['RTN cast out.copy_(x)'] / 1e6:.0f} GB/s)"
+            )
             casts.update({f"{k}, back to back": t / 1e3 for k, t in b2b.items()})
         opt = medians(optimizer_candidates(n, dev), max(3, args.rounds // 2), dev)
         obase = opt["torch AdamW(fused=True), FP32 params+grads"]
-        print(f"\n## 2^{log2} parameters: optimizer step\n\n| candidate | ms | GB/s (28 B/elem) | vs torch fused AdamW |\n"
-              "|---|---:|---:|---:|")
+        print(
+            f"\n## 2^{log2} parameters: optimizer step\n\n"
+            "| candidate | ms | GB/s (28 B/elem) | vs torch fused AdamW |\n"
+            "|---|---:|---:|---:|"
+        )
         for k, t in opt.items():
             print(f"| {k} | {t * 1e3:.2f} | {28 * n / t / 1e9:.1f} | {t / obase:.2f}x |")
         record["sizes"][log2] = {"casts": casts, "optimizer": opt}

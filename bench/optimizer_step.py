@@ -44,13 +44,20 @@ def qwen05b_shapes() -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)), (p + "self_attn.q_proj.bias", (HIDDEN,)),
-                   (p + "self_attn.k_proj.weight", (KV, HIDDEN)), (p + "self_attn.k_proj.bias", (KV,)),
-                   (p + "self_attn.v_proj.weight", (KV, HIDDEN)), (p + "self_attn.v_proj.bias", (KV,)),
-                   (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                   (p + "mlp.gate_proj.weight", (INTER, HIDDEN)), (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-                   (p + "mlp.down_proj.weight", (HIDDEN, INTER)),
-                   (p + "input_layernorm.weight", (HIDDEN,)), (p + "post_attention_layernorm.weight", (HIDDEN,))]
+        shapes += [
+            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+            (p + "self_attn.q_proj.bias", (HIDDEN,)),
+            (p + "self_attn.k_proj.weight", (KV, HIDDEN)),
+            (p + "self_attn.k_proj.bias", (KV,)),
+            (p + "self_attn.v_proj.weight", (KV, HIDDEN)),
+            (p + "self_attn.v_proj.bias", (KV,)),
+            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+            (p + "mlp.gate_proj.weight", (INTER, HIDDEN)),
+            (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
+            (p + "mlp.down_proj.weight", (HIDDEN, INTER)),
+            (p + "input_layernorm.weight", (HIDDEN,)),
+            (p + "post_attention_layernorm.weight", (HIDDEN,)),
+        ]
     shapes.append(("model.norm.weight", (HIDDEN,)))
     return shapes
 
@@ -59,8 +66,7 @@ def scaled(shapes, target: int):
     """The same tensors with every dimension scaled so the total is about ``target``."""
     total = sum(math.prod(s) for _, s in shapes)
     f = math.sqrt(target / total)
-    return [(n, tuple(max(1, round(d * f)) for d in s))
-            for n, s in shapes]
+    return [(n, tuple(max(1, round(d * f)) for d in s)) for n, s in shapes]
 
 
 def make_params(shapes, device, dtype, seed=0):
@@ -85,6 +91,7 @@ def candidates(shapes, device: str) -> dict:
         def step():
             opt.step()
             torch._foreach_copy_(working, ms)
+
         return step, (masters, working, opt)
 
     def torch_bf16():
@@ -97,6 +104,7 @@ def candidates(shapes, device: str) -> dict:
             params = make_params(shapes, device, torch.bfloat16)
             opt = ShadowAdamW(params, lr=1e-5, seed=1, mode=mode)
             return opt.step, (params, opt)
+
         return build
 
     def shadow_optimizer():
@@ -109,6 +117,7 @@ def candidates(shapes, device: str) -> dict:
             params = make_params(shapes, device, torch.bfloat16)
             opt = AdamWSR(params, lr=1e-5, seed=1, moment_dtype=moments)
             return opt.step, (params, opt)
+
         return build
 
     return {
@@ -211,8 +220,10 @@ def main() -> None:
     n = sum(math.prod(s) for _, s in shapes)
     name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     if args.measure is None:
-        print(f"# Optimizer step, {len(shapes)} tensors of a Qwen2.5-0.5B shape, {n / 1e6:.1f}M parameters: {name}, "
-              f"torch {torch.__version__}\n")
+        print(
+            f"# Optimizer step, {len(shapes)} tensors of a Qwen2.5-0.5B shape, {n / 1e6:.1f}M parameters: {name}, "
+            f"torch {torch.__version__}\n"
+        )
     builders = candidates(shapes, dev)
     if args.measure is not None:  # a child process measuring one CPU candidate
         warm = list(candidates(scaled(qwen05b_shapes(), 10**5), dev).values())[args.measure]
@@ -227,9 +238,18 @@ def main() -> None:
         # a fixed mmap threshold: freed tensors leave the resident set at once (glibc's adaptive
         # threshold would keep them in the heap, counted in the next peak)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}
-        memory = {k: float(subprocess.run([sys.executable, __file__, "--params", str(n), "--measure", str(i)],
-                                          check=True, capture_output=True, text=True, env=env).stdout.split()[-1])
-                  for i, k in enumerate(builders)}
+        memory = {
+            k: float(
+                subprocess.run(
+                    [sys.executable, __file__, "--params", str(n), "--measure", str(i)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                ).stdout.split()[-1]
+            )
+            for i, k in enumerate(builders)
+        }
     built = {k: b() for k, b in builders.items()}
     steps = {k: v[0] for k, v in built.items()}
     times = round_robin(steps, args.rounds, dev, warmup=2)
@@ -250,8 +270,19 @@ def main() -> None:
             row += f" {e['syncs']} | {e['memcpys']} | {e['launches']} | {e['sync_free']} |"
         print(row)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": name, "parameters": n, "tensors": len(shapes), "seconds": times,
-                                     "peak_bytes_per_param": memory, "cuda": extra}, indent=1))
+    args.json.write_text(
+        json.dumps(
+            {
+                "device": name,
+                "parameters": n,
+                "tensors": len(shapes),
+                "seconds": times,
+                "peak_bytes_per_param": memory,
+                "cuda": extra,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

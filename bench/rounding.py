@@ -68,12 +68,14 @@ def optimizer_candidates(n: int) -> dict:
     plain = torch.optim.AdamW([fp32], lr=1e-5, fused=True)
     work = torch.nn.Parameter(torch.randn(n).to(torch.bfloat16))
     work.grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
-    shadow_sr = ShadowOptimizer([("w", work)], torch.optim.AdamW, lr=1e-5, fused=True, mode="stochastic",
-                                skip_nonfinite=False)
+    shadow_sr = ShadowOptimizer(
+        [("w", work)], torch.optim.AdamW, lr=1e-5, fused=True, mode="stochastic", skip_nonfinite=False
+    )
     work_rtn = torch.nn.Parameter(work.detach().clone())
     work_rtn.grad = work.grad.clone()
-    shadow_rtn = ShadowOptimizer([("w", work_rtn)], torch.optim.AdamW, lr=1e-5, fused=True, mode="nearest",
-                                skip_nonfinite=False)
+    shadow_rtn = ShadowOptimizer(
+        [("w", work_rtn)], torch.optim.AdamW, lr=1e-5, fused=True, mode="nearest", skip_nonfinite=False
+    )
     work_fused = torch.nn.Parameter(work.detach().clone())
     work_fused.grad = work.grad.clone()
     fused_sr = ShadowAdamW([("w", work_fused)], lr=1e-5, mode="stochastic")
@@ -98,12 +100,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", type=Path, default=Path("bench/results/rounding.json"))
     args = ap.parse_args()
-    print(f"# dist-sr rounding benchmark: {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"# dist-sr rounding benchmark: {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     record = {"threads": torch.get_num_threads(), "torch": torch.__version__, "casts": {}, "optimizer": {}}
     for log2 in args.sizes:
         n = 1 << log2
-        casts = median_times(cast_candidates(n, with_reference=log2 <= 24), args.rounds if log2 <= 24 else max(5, args.rounds // 2))
+        casts = median_times(
+            cast_candidates(n, with_reference=log2 <= 24), args.rounds if log2 <= 24 else max(5, args.rounds // 2)
+        )
         print(table(f"## SR cast, 2^{log2} elements", casts, "RTN cast out.copy_(x)", n))
         record["casts"][log2] = casts
         opt = median_times(optimizer_candidates(n), max(5, args.rounds // 2))

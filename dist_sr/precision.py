@@ -94,11 +94,11 @@ def _positive_finite(x) -> bool:
 class PrecisionConfig:
     precision: str = "bf16-sr"
     seed: int = 0
-    loss_scale: str | float = "dynamic"   # fp16: "dynamic" or a static scale
-    initial_loss_scale: float = 2.0**16   # fp16, dynamic
-    loss_scale_window: int = 1000         # fp16, dynamic: clean steps before the scale doubles
-    moment_dtype: str = "fp32"            # bf16-pure-sr: "fp32" or "bf16"
-    backend: str = "auto"                 # rounding backend
+    loss_scale: str | float = "dynamic"  # fp16: "dynamic" or a static scale
+    initial_loss_scale: float = 2.0**16  # fp16, dynamic
+    loss_scale_window: int = 1000  # fp16, dynamic: clean steps before the scale doubles
+    moment_dtype: str = "fp32"  # bf16-pure-sr: "fp32" or "bf16"
+    backend: str = "auto"  # rounding backend
 
     def __post_init__(self):
         if self.precision not in PRECISION_REGISTRY:
@@ -108,19 +108,25 @@ class PrecisionConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
             raise PrecisionConfigError(f"precision.seed must be an int in [0, 2^64), got {self.seed!r}")
         if not (self.loss_scale == "dynamic" or _positive_finite(self.loss_scale)):
-            raise PrecisionConfigError(f"precision.loss_scale must be 'dynamic' or a finite number > 0, got "
-                                       f"{self.loss_scale!r}")
+            raise PrecisionConfigError(
+                f"precision.loss_scale must be 'dynamic' or a finite number > 0, got {self.loss_scale!r}"
+            )
         if not _positive_finite(self.initial_loss_scale) or self.initial_loss_scale > 2.0**64:
-            raise PrecisionConfigError(f"precision.initial_loss_scale must be a finite number in (0, 2^64], got "
-                                       f"{self.initial_loss_scale!r} (a NaN or zero scale skips every step); the "
-                                       "usual start is 65536")
+            raise PrecisionConfigError(
+                f"precision.initial_loss_scale must be a finite number in (0, 2^64], got "
+                f"{self.initial_loss_scale!r} (a NaN or zero scale skips every step); the "
+                "usual start is 65536"
+            )
         if self.moment_dtype not in ("fp32", "bf16"):
             raise PrecisionConfigError(f"precision.moment_dtype must be 'fp32' or 'bf16', got {self.moment_dtype!r}")
         if self.backend not in backends.names():
-            raise PrecisionConfigError(f"precision.backend must be one of {', '.join(backends.names())}, "
-                                       f"got {self.backend!r}")
+            raise PrecisionConfigError(
+                f"precision.backend must be one of {', '.join(backends.names())}, got {self.backend!r}"
+            )
         if not isinstance(self.loss_scale_window, int) or self.loss_scale_window < 1:
-            raise PrecisionConfigError(f"precision.loss_scale_window must be an int >= 1, got {self.loss_scale_window!r}")
+            raise PrecisionConfigError(
+                f"precision.loss_scale_window must be an int >= 1, got {self.loss_scale_window!r}"
+            )
 
     @property
     def spec(self) -> Precision:
@@ -171,8 +177,11 @@ class PrecisionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that apply to this precision; ``from_dict`` of the result is ``self``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in _ONLY_FOR or _ONLY_FOR[f.name](self.spec)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _ONLY_FOR or _ONLY_FOR[f.name](self.spec)
+        }
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> "PrecisionConfig":
@@ -264,15 +273,17 @@ def apply_precision(
             optimizer_kwargs.setdefault("weight_decay", 0.0)
         for _, p in named:
             p.data = p.data.to(torch.bfloat16)  # round-to-nearest, as a BF16 checkpoint would be
-        optimizer = AdamWSR(named, seed=config.seed, moment_dtype=config.moment_dtype,
-                            backend=config.backend, **optimizer_kwargs)
+        optimizer = AdamWSR(
+            named, seed=config.seed, moment_dtype=config.moment_dtype, backend=config.backend, **optimizer_kwargs
+        )
     else:
         scaler = None
         if spec.loss_scaling:
             dynamic = config.loss_scale == "dynamic"
             scaler = DynamicLossScaler(
                 init_scale=config.initial_loss_scale if dynamic else float(config.loss_scale),
-                growth_interval=config.loss_scale_window, dynamic=dynamic,
+                growth_interval=config.loss_scale_window,
+                dynamic=dynamic,
             )
         working = config.working_dtype
         for name, p in named:
@@ -280,7 +291,14 @@ def apply_precision(
                 raise PrecisionConfigError(
                     f"parameter {name!r} is {p.dtype}; precision {p_} needs FP32 or {working} parameters"
                 )
-        optimizer = ShadowOptimizer(named, optimizer_cls, seed=config.seed, mode=config.rounding,
-                                    working_dtype=working, loss_scaler=scaler, backend=config.backend,
-                                    **optimizer_kwargs)
+        optimizer = ShadowOptimizer(
+            named,
+            optimizer_cls,
+            seed=config.seed,
+            mode=config.rounding,
+            working_dtype=working,
+            loss_scaler=scaler,
+            backend=config.backend,
+            **optimizer_kwargs,
+        )
     return TrainingPrecision(model, optimizer, config)

@@ -42,8 +42,10 @@ class Registry(Mapping, Generic[T]):
         if not isinstance(name, str) or not name:
             raise ValueError(f"a {self.kind} is registered under a non-empty string name, got {name!r}")
         if name in self._entries and not replace:
-            raise ValueError(f"a {self.kind} named {name!r} is already registered; choose another name (or "
-                             "register with replace=True)")
+            raise ValueError(
+                f"a {self.kind} named {name!r} is already registered; choose another name (or "
+                "register with replace=True)"
+            )
         if isinstance(entry, str) and ":" not in entry:
             raise ValueError(f"lazy {self.kind} {name!r}: expected 'module:attribute', got {entry!r}")
         self._entries[name] = entry

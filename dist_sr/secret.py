@@ -33,6 +33,8 @@ def read(name: str, *, what: str, env: Mapping[str, str] | None = None) -> tuple
     if not value:
         return None
     if len(value.encode()) < MIN_BYTES:
-        raise SecretMissing(f"the {what} from {origin} has {len(value.encode())} bytes; use at least {MIN_BYTES} "
-                            "(e.g. secrets.token_hex(32))")
+        raise SecretMissing(
+            f"the {what} from {origin} has {len(value.encode())} bytes; use at least {MIN_BYTES} "
+            "(e.g. secrets.token_hex(32))"
+        )
     return value.encode(), origin

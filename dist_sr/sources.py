@@ -27,9 +27,9 @@ from .numerics.shards import split_range
 class Meta(NamedTuple):
     """One working weight as a source describes it (a tuple: equal to ``(name, dtype, shape)``)."""
 
-    name: str                 # the HF name (wrapper prefixes removed): the rounding key's parameter name
-    dtype: str                # the dtype's name as sent (``numerics.digest.dtype_name``), e.g. "bfloat16"
-    shape: tuple[int, ...]    # the full, unsharded shape
+    name: str  # the HF name (wrapper prefixes removed): the rounding key's parameter name
+    dtype: str  # the dtype's name as sent (``numerics.digest.dtype_name``), e.g. "bfloat16"
+    shape: tuple[int, ...]  # the full, unsharded shape
 
 
 class LocalPiece(NamedTuple):

@@ -27,8 +27,11 @@ def tiny_model(path: Path) -> str:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         if not (path / "config.json").exists():
-            model, tok = new_tiny(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                              num_attention_heads=1, init_seed=0))
+            model, tok = new_tiny(
+                ModelConfig(
+                    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, init_seed=0
+                )
+            )
             model.save_pretrained(path)
             tok.save_pretrained(path)
     if dist.is_initialized():
@@ -54,13 +57,35 @@ def build_trainer(a: argparse.Namespace):
         return [task.reward(c, x) for c, x in zip(completions, answer)]
 
     ds_config = out / "ds.json"
-    ds_config.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "zero_optimization": {"stage": a.zero_stage}}))
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-                      max_steps=a.steps, learning_rate=a.lr, beta=a.beta, bf16=True, deepspeed=str(ds_config),
-                      use_vllm=a.use_vllm, use_cpu=not torch.cuda.is_available(), logging_steps=1,
-                      report_to=a.report_to, save_strategy="no", model_init_kwargs={"dtype": torch.float32})
+    ds_config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "bf16": {"enabled": "auto"},
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": a.zero_stage},
+            }
+        )
+    )
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=a.steps,
+        learning_rate=a.lr,
+        beta=a.beta,
+        bf16=True,
+        deepspeed=str(ds_config),
+        use_vllm=a.use_vllm,
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=1,
+        report_to=a.report_to,
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+    )
     model = a.model or tiny_model(out / "model")
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=args, train_dataset=data)
     dsr_trl.enable(trainer, seed=a.seed, sticking=True)  # the one line SR needs (sticking: log the metric)

@@ -26,9 +26,11 @@ def _fail(report, what: str) -> None:
     if any(reason.startswith(a) for a in ALLOWED):
         return
     report.outcome = "failed"
-    report.longrepr = (f"CI=true: {what} skipped ({reason}). CI installs what the tests need, so this check must run "
-                       "there; fix the environment or the test (only CUDA-only tests may skip: reason "
-                       f"{ALLOWED[0]!r})")
+    report.longrepr = (
+        f"CI=true: {what} skipped ({reason}). CI installs what the tests need, so this check must run "
+        "there; fix the environment or the test (only CUDA-only tests may skip: reason "
+        f"{ALLOWED[0]!r})"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

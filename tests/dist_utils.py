@@ -19,15 +19,25 @@ def launcher_env() -> dict:
     """Environment for launcher subprocesses (torchrun, deepspeed): this venv's tools first, no
     inherited rank variables, one thread per rank, DeepSpeed on the CPU, the repository importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     return env
 
 
 def _entry(rank, world_size, port, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)  # the environment variable comes too late: torch is already imported
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
@@ -53,8 +63,9 @@ def run_workers(fn, world_size: int, *args) -> None:
     errors = ctx.SimpleQueue()
     port = free_port()
     try:
-        mp.start_processes(_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _entry, args=(world_size, port, fn, args, errors), nprocs=world_size, start_method="spawn", join=True
+        )
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         crash = exc
     failures = []

@@ -6,7 +6,7 @@ import sys
 
 from tests.conftest import ROOT
 
-SCRATCH = '''
+SCRATCH = """
 import pytest
 
 def test_runs():
@@ -18,14 +18,20 @@ def test_needs_a_missing_extra():
 @pytest.mark.skipif(True, reason="no CUDA device")
 def test_cuda_only():
     pass
-'''
+"""
 
 
 def _pytest(tmp_path, ci: str | None):
     (tmp_path / "test_scratch.py").write_text(SCRATCH)
     env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": ci} if ci else {})
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.ci_skips", "-p", "no:cacheprovider",
-                           "-rA", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.ci_skips", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 def test_in_ci_a_skip_other_than_no_cuda_fails(tmp_path):

@@ -30,7 +30,7 @@ def test_every_precision_trains(precision):
     assert all(p.dtype == dtype for p in model.parameters()) and isinstance(tp.optimizer, opt_type)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)
-    y = (x[:, :1] * 0.5 + x[:, 1:2].sin())
+    y = x[:, :1] * 0.5 + x[:, 1:2].sin()
     losses = []
     for _ in range(150):
         loss = (model(x.to(dtype)).float() - y).pow(2).mean()
@@ -59,17 +59,20 @@ def test_config_from_string_mapping_and_yaml(tmp_path):
     assert PrecisionConfig.from_yaml("precision: bf16-sr\n").precision == "bf16-sr"
 
 
-@pytest.mark.parametrize("data,match", [
-    ("bf16-stochastic", "unknown precision 'bf16-stochastic'; choose one of fp32, fp16, bf16, bf16-sr"),
-    ({"precision": "bf16-sr", "sead": 1}, r"unknown precision field\(s\) \['sead'\]; valid fields"),
-    ({"precision": "bf16-sr", "loss_scale": "dynamic"}, "loss_scale applies only to precision fp16"),
-    ({"precision": "bf16", "moment_dtype": "bf16"}, "moment_dtype applies only to precision bf16-pure-sr"),
-    ({"precision": "fp16", "mode": "fp16"}, "either"),
-    ({"precision": "fp16", "loss_scale": -1}, "loss_scale must be"),
-    ({"precision": "bf16-sr", "seed": -1}, "seed must be"),
-    ({"precision": "bf16-pure-sr", "moment_dtype": "fp8"}, "moment_dtype must be"),
-    (3, "string or a mapping"),
-])
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ("bf16-stochastic", "unknown precision 'bf16-stochastic'; choose one of fp32, fp16, bf16, bf16-sr"),
+        ({"precision": "bf16-sr", "sead": 1}, r"unknown precision field\(s\) \['sead'\]; valid fields"),
+        ({"precision": "bf16-sr", "loss_scale": "dynamic"}, "loss_scale applies only to precision fp16"),
+        ({"precision": "bf16", "moment_dtype": "bf16"}, "moment_dtype applies only to precision bf16-pure-sr"),
+        ({"precision": "fp16", "mode": "fp16"}, "either"),
+        ({"precision": "fp16", "loss_scale": -1}, "loss_scale must be"),
+        ({"precision": "bf16-sr", "seed": -1}, "seed must be"),
+        ({"precision": "bf16-pure-sr", "moment_dtype": "fp8"}, "moment_dtype must be"),
+        (3, "string or a mapping"),
+    ],
+)
 def test_bad_configs_fail_at_load_time_with_the_fix(data, match):
     with pytest.raises(PrecisionConfigError, match=match):
         PrecisionConfig.from_dict(data)
@@ -127,8 +130,12 @@ def test_the_switch_builds_the_named_rounding_and_keeps_working_equal_to_the_key
 
 
 def test_the_pure_switch_builds_adamw_sr_with_the_configured_seed_and_moments():
-    tp = apply_precision(regression_model(), {"precision": "bf16-pure-sr", "seed": 99, "moment_dtype": "bf16"},
-                         torch.optim.AdamW, lr=1e-3)
+    tp = apply_precision(
+        regression_model(),
+        {"precision": "bf16-pure-sr", "seed": 99, "moment_dtype": "bf16"},
+        torch.optim.AdamW,
+        lr=1e-3,
+    )
     assert isinstance(tp.optimizer, AdamWSR) and tp.optimizer.seed == 99
     assert tp.optimizer.moment_dtype == torch.bfloat16
 

@@ -33,8 +33,15 @@ def vllm_missing() -> str | None:
 def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediate: int = 256, layers: int = 2):
     """A from-config Qwen2 (head_dim 64, which vLLM's CPU attention needs) in BF16 with the char
     tokenizer."""
-    model, tok = new_tiny(ModelConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                                      num_attention_heads=hidden // 64, init_seed=seed))
+    model, tok = new_tiny(
+        ModelConfig(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            init_seed=seed,
+        )
+    )
     model.to(torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -45,24 +52,53 @@ class EngineProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir, self.tp, self.name = model_dir, tp, name
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         env.pop("PYTHONPATH", None)
         self.log = log_dir / f"{name}.log"
-        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", "tiny", "--port", str(self.port), "--max-model-len", "64",
-               "--dtype", "bfloat16", "--tensor-parallel-size", str(tp), "--max-num-seqs", "64",
-               "--weight-transfer-config", '{"backend": "dist_sr"}',
-               "--worker-extension-cls", "dist_sr.rollout.vllm.plugin.WorkerExtension",
-               "--middleware", "dist_sr.rollout.vllm.auth.SyncAuthMiddleware"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        cmd = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            "64",
+            "--dtype",
+            "bfloat16",
+            "--tensor-parallel-size",
+            str(tp),
+            "--max-num-seqs",
+            "64",
+            "--weight-transfer-config",
+            '{"backend": "dist_sr"}',
+            "--worker-extension-cls",
+            "dist_sr.rollout.vllm.plugin.WorkerExtension",
+            "--middleware",
+            "dist_sr.rollout.vllm.auth.SyncAuthMiddleware",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait_ready(self, timeout: float = 400):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine {self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"engine {self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return self
@@ -82,14 +118,21 @@ class EngineProcess:
         self.proc.wait()
 
 
-def complete(url: str, prompts: list[list[int]], max_tokens: int = 6,
-             logprobs: bool = True) -> list[tuple[list[int], list[float] | None]]:
+def complete(
+    url: str, prompts: list[list[int]], max_tokens: int = 6, logprobs: bool = True
+) -> list[tuple[list[int], list[float] | None]]:
     """Greedy completions: (token ids, logprobs or None) per prompt. (vLLM 0.24 answers 400 when a
     logprob is not finite, which a test's randomly moved weights can give: such tests ask for tokens.)"""
     out = []
     for prompt in prompts:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True, **({"logprobs": 0} if logprobs else {})}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            **({"logprobs": 0} if logprobs else {}),
+        }
         choice = http(url, "/v1/completions", body, timeout=60)["choices"][0]
         out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"] if logprobs else None))
     return out
@@ -99,8 +142,9 @@ def spawn_receiver(*extra: str, port: int | None = None) -> tuple[subprocess.Pop
     """A bare weight receiver process (``dist_sr.weightsync.receiver``) on loopback, just started:
     the process and its base URL (``wait_healthy`` before use; the caller kills it)."""
     port = port or free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra],
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra], cwd=REPO
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -13,5 +13,17 @@ register_engine("single", SingleEngine)
 register_engine("deepspeed", DeepSpeedEngine)
 register_engine("fsdp2", FSDP2Engine)
 
-__all__ = ["DeepSpeedEngine", "DistributedConfig", "FSDP2Engine", "SingleEngine", "TrainSettings", "TrainingEngine",
-           "engine_class", "engine_names", "init_distributed", "make_engine", "register_engine", "training_device"]
+__all__ = [
+    "DeepSpeedEngine",
+    "DistributedConfig",
+    "FSDP2Engine",
+    "SingleEngine",
+    "TrainSettings",
+    "TrainingEngine",
+    "engine_class",
+    "engine_names",
+    "init_distributed",
+    "make_engine",
+    "register_engine",
+    "training_device",
+]

@@ -5,7 +5,8 @@ An engine owns a model's training step under one precision: ``module`` (forward 
 generation), ``backward``, ``step`` (clip + optimizer step; returns the pre-clip gradient norm
 and whether the step was taken), ``digest`` (of the working weights as the forward uses them;
 collective), ``expected_digest`` (the same weights re-derived from the FP32 masters with the
-rounding key, by an independent path; collective), ``weight_source`` (those weights as HF-named tensors, for rollout engines),
+rounding key, by an independent path; collective), ``weight_source`` (those weights as HF-named
+tensors, for rollout engines),
 ``meter`` (sticking metrics where the working weights are local), ``save``/``load``,
 ``rank``/``world``.
 """
@@ -38,9 +39,9 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    optimizer: str = "adamw"        # a name in ``dist_sr.optim.OPTIMIZERS``
+    optimizer: str = "adamw"  # a name in ``dist_sr.optim.OPTIMIZERS``
     max_grad_norm: float = 1.0
-    batch_per_rank: int = 1         # sequences per rank per step (DeepSpeed's micro batch)
+    batch_per_rank: int = 1  # sequences per rank per step (DeepSpeed's micro batch)
 
     @property
     def hyper(self) -> dict:
@@ -97,9 +98,11 @@ def init_distributed(engine: str, backend: str | None = None) -> None:
     if not engine_class(engine).needs_process_group or dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:
-        raise ConfigError(f"distributed.engine={engine!r} needs a launcher (torchrun or deepspeed) that sets "
-                         "RANK/WORLD_SIZE/MASTER_ADDR, or the entry point launch/train.py; "
-                         "or use distributed.engine=single")
+        raise ConfigError(
+            f"distributed.engine={engine!r} needs a launcher (torchrun or deepspeed) that sets "
+            "RANK/WORLD_SIZE/MASTER_ADDR, or the entry point launch/train.py; "
+            "or use distributed.engine=single"
+        )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

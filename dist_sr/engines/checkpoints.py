@@ -20,8 +20,7 @@ KEEP_CHECKPOINTS = 2  # step directories kept under <run>/deepspeed/ and <run>/f
 
 def prune_checkpoints(root: Path) -> None:
     """Remove all but the newest ``KEEP_CHECKPOINTS`` complete ``step<N>`` directories."""
-    done = sorted((d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()),
-                  key=lambda d: int(d.name[4:]))
+    done = sorted((d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()), key=lambda d: int(d.name[4:]))
     for old in done[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -76,8 +75,11 @@ def write_manifest(directory: Path, key: bytes | None = None) -> None:
     a checkpoint without one did not finish), signed with ``key`` (default ``manifest_key()``)
     when there is one."""
     key = manifest_key() if key is None else key
-    files = {str(p.relative_to(directory)): _sha256(p) for p in sorted(directory.rglob("*"))
-             if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp")}
+    files = {
+        str(p.relative_to(directory)): _sha256(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp")
+    }
     manifest = {"sha256": files}
     if key is not None:
         manifest["hmac_sha256"] = _manifest_mac(key, files)
@@ -97,26 +99,35 @@ def verify_manifest(directory: Path, key: bytes | None = None) -> None:
     want = manifest["sha256"]
     mac = manifest.get("hmac_sha256")
     if key is not None and mac is None:
-        raise CheckpointCorrupt(f"{directory}: {MANIFEST} is not signed, but this job signs its checkpoints "
-                                f"({KEY_ENV} or {SYNC_KEY_ENV} is set): it was written by another process or by "
-                                "a run without the secret; resume it only by unsetting both, if you trust its files")
+        raise CheckpointCorrupt(
+            f"{directory}: {MANIFEST} is not signed, but this job signs its checkpoints "
+            f"({KEY_ENV} or {SYNC_KEY_ENV} is set): it was written by another process or by "
+            "a run without the secret; resume it only by unsetting both, if you trust its files"
+        )
     if key is None and mac is not None:
-        raise CheckpointCorrupt(f"{directory}: {MANIFEST} is signed, but this process has no key to check it: set "
-                                f"{KEY_ENV} (or {SYNC_KEY_ENV}) to the secret the run was written with")
+        raise CheckpointCorrupt(
+            f"{directory}: {MANIFEST} is signed, but this process has no key to check it: set "
+            f"{KEY_ENV} (or {SYNC_KEY_ENV}) to the secret the run was written with"
+        )
     if key is not None and not hmac.compare_digest(mac, _manifest_mac(key, want)):
-        raise CheckpointCorrupt(f"{directory}: {MANIFEST}'s signature does not match this job's secret: written by "
-                                f"another process, or with another {KEY_ENV}/{SYNC_KEY_ENV}; set the one it was "
-                                "written with")
+        raise CheckpointCorrupt(
+            f"{directory}: {MANIFEST}'s signature does not match this job's secret: written by "
+            f"another process, or with another {KEY_ENV}/{SYNC_KEY_ENV}; set the one it was "
+            "written with"
+        )
     have = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
     bad = sorted(set(want) ^ have) + sorted(n for n in set(want) & have if _sha256(directory / n) != want[n])
     if bad:
-        raise CheckpointCorrupt(f"{directory}: files differ from those written: {bad[:8]}{' ...' if len(bad) > 8 else ''}")
+        raise CheckpointCorrupt(
+            f"{directory}: files differ from those written: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
+        )
 
 
 def step_dirs(root: Path) -> list[Path]:
     """Complete-looking ``step<N>`` directories under ``root``, newest first."""
-    return sorted((d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()),
-                  key=lambda d: -int(d.name[4:]))
+    return sorted(
+        (d for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()), key=lambda d: -int(d.name[4:])
+    )
 
 
 REFUSED = "refused"  # <run>/refused/: checkpoints that failed to load or verify, kept for inspection
@@ -172,8 +183,12 @@ def choose_verified(root: Path, named: Path, rank: int) -> Path:
     if chosen is None:
         raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
     if problems and rank == 0:
-        warnings.warn(f"dist_sr: resuming from {root / chosen}; refused newer (moved to {root.parent / REFUSED}): "
-                      f"{'; '.join(problems)}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"dist_sr: resuming from {root / chosen}; refused newer (moved to {root.parent / REFUSED}): "
+            f"{'; '.join(problems)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return root / chosen
 
 

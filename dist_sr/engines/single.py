@@ -22,8 +22,9 @@ class SingleEngine:
     rank, world = 0, 1
 
     def __init__(self, settings: TrainSettings, model: torch.nn.Module):
-        self.precision = apply_precision(model, settings.precision, optimizer_class(settings.optimizer),
-                                         **settings.hyper)
+        self.precision = apply_precision(
+            model, settings.precision, optimizer_class(settings.optimizer), **settings.hyper
+        )
         self.module, self.max_grad_norm = model, settings.max_grad_norm
         self.meter = self.precision.sticking_meter()
 
@@ -57,14 +58,21 @@ class SingleEngine:
         the shadows or any of the state is not finite (a bad state never replaces a good one)."""
         digest, expected = self.digest(), self.expected_digest()
         if digest != expected:
-            raise RuntimeError(f"not saving step {step}: the working weights (digest {digest}) are not the keyed "
-                               f"rounding of the FP32 shadows ({expected}); the previous checkpoint is kept")
-        state = {"step": step, "model": self.module.state_dict(), "precision": self.precision.state_dict(),
-                 "digest": digest}
+            raise RuntimeError(
+                f"not saving step {step}: the working weights (digest {digest}) are not the keyed "
+                f"rounding of the FP32 shadows ({expected}); the previous checkpoint is kept"
+            )
+        state = {
+            "step": step,
+            "model": self.module.state_dict(),
+            "precision": self.precision.state_dict(),
+            "digest": digest,
+        }
         bad = _non_finite(state)
         if bad:
-            raise RuntimeError(f"not saving step {step}: non-finite values in {bad[:5]}; the previous checkpoint "
-                               "is kept")
+            raise RuntimeError(
+                f"not saving step {step}: non-finite values in {bad[:5]}; the previous checkpoint is kept"
+            )
         state["content_sha256"] = state_digest(state)
         tmp = path / "checkpoint.pt.tmp"
         with open(tmp, "wb") as f:
@@ -97,8 +105,12 @@ class SingleEngine:
             for bad, reason in refused:  # never rotated over the good one, kept for inspection
                 quarantine(bad, path, reason)
             if refused:
-                warnings.warn(f"dist_sr: resuming from {ckpt} (step {step}); refused newer (moved to {path / REFUSED}): "
-                              f"{'; '.join(r for _, r in refused)}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"dist_sr: resuming from {ckpt} (step {step}); refused newer (moved to {path / REFUSED}): "
+                    f"{'; '.join(r for _, r in refused)}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return step
         raise CheckpointCorrupt(f"{path}: no checkpoint verifies: {'; '.join(r for _, r in refused)}")
 
@@ -106,17 +118,23 @@ class SingleEngine:
         state = torch.load(ckpt, weights_only=True)
         recorded = state.pop("content_sha256", None)
         if recorded is None or state_digest(state) != recorded:
-            raise CheckpointCorrupt(f"{ckpt}: content digest {'missing' if recorded is None else 'differs'} "
-                                    "(a corrupted or foreign checkpoint)")
+            raise CheckpointCorrupt(
+                f"{ckpt}: content digest {'missing' if recorded is None else 'differs'} "
+                "(a corrupted or foreign checkpoint)"
+            )
         self.module.load_state_dict(state["model"])
         self.precision.load_state_dict(state["precision"])  # re-derives the working weights
         if any(not torch.equal(state["model"][k], v) for k, v in self.module.state_dict().items()):
-            raise RuntimeError(f"{ckpt}: working weights re-derived from the shadows differ from the saved ones "
-                               "(a corrupted checkpoint)")
+            raise RuntimeError(
+                f"{ckpt}: working weights re-derived from the shadows differ from the saved ones "
+                "(a corrupted checkpoint)"
+            )
         digest = self.digest()
         if digest != state["digest"]:
-            raise RuntimeError(f"{ckpt}: working weights after loading have digest {digest}, the checkpoint recorded "
-                               f"{state['digest']} (a corrupted checkpoint)")
+            raise RuntimeError(
+                f"{ckpt}: working weights after loading have digest {digest}, the checkpoint recorded "
+                f"{state['digest']} (a corrupted checkpoint)"
+            )
         if self.meter is not None:
             self.meter.sync_previous()
         return int(state["step"])

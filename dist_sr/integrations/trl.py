@@ -63,8 +63,10 @@ def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", sticki
     if getattr(trainer.args, "bf16", False) is not True:
         raise ValueError("stochastic rounding needs BF16 working weights: set bf16=True in the training arguments")
     if _is_peft(trainer.model):
-        raise NotImplementedError("dist-sr rounds full-parameter training; with PEFT/LoRA the adapters stay in "
-                                  "their own dtype and the merged export is not a keyed rounding")
+        raise NotImplementedError(
+            "dist-sr rounds full-parameter training; with PEFT/LoRA the adapters stay in "
+            "their own dtype and the merged export is not a keyed rounding"
+        )
     if getattr(trainer, "is_deepspeed_enabled", False):
         backend = "deepspeed"
         seed = _deepspeed_block(accelerator, seed, mode)
@@ -73,15 +75,19 @@ def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", sticki
         if getattr(plugin, "fsdp_version", 1) != 2:
             raise NotImplementedError("dist-sr supports FSDP2 (fsdp_config fsdp_version: 2), not FSDP1")
         if getattr(plugin, "cpu_ram_efficient_loading", False):
-            raise ValueError("fsdp cpu_ram_efficient_loading re-creates the parameters while sharding, which drops "
-                             "the SR wrapping; set fsdp_cpu_ram_efficient_loading to false")
+            raise ValueError(
+                "fsdp cpu_ram_efficient_loading re-creates the parameters while sharding, which drops "
+                "the SR wrapping; set fsdp_cpu_ram_efficient_loading to false"
+            )
         if seed is None:
             raise ValueError("enable(trainer, seed=...): FSDP2 needs the rounding key's seed")
         backend = "fsdp2"
         ctx = prepare_fsdp2(trainer.model, plugin, seed=seed, mode=mode)
     else:
-        raise NotImplementedError("dist-sr's TRL integration needs DeepSpeed (a deepspeed= config) or FSDP2 "
-                                  "(fsdp_version 2); for one process, use DeepSpeed ZeRO-0..3 with one rank")
+        raise NotImplementedError(
+            "dist-sr's TRL integration needs DeepSpeed (a deepspeed= config) or FSDP2 "
+            "(fsdp_version 2); for one process, use DeepSpeed ZeRO-0..3 with one rank"
+        )
     callback = DistSRCallback(trainer, backend, ctx if backend == "fsdp2" else None, sticking=sticking)
     trainer.add_callback(callback)
     _add_metrics_to_logs(trainer, callback)
@@ -113,24 +119,32 @@ def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
     block = config.get(CONFIG_KEY)
     if block is None or not block.get("enabled", True):
         if seed is None:
-            raise ValueError("enable(trainer, seed=...): give the seed, or a \"stochastic_rounding\" block in the "
-                             "DeepSpeed JSON")
+            raise ValueError(
+                'enable(trainer, seed=...): give the seed, or a "stochastic_rounding" block in the DeepSpeed JSON'
+            )
         config[CONFIG_KEY] = {"enabled": True, "seed": seed, "mode": mode}
     else:
         if seed is not None and int(block.get("seed", seed)) != seed:
-            raise ValueError(f"enable(trainer, seed={seed}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has seed "
-                             f"{block.get('seed')}: give one seed")
+            raise ValueError(
+                f"enable(trainer, seed={seed}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has seed "
+                f"{block.get('seed')}: give one seed"
+            )
         if block.get("mode", mode) != mode:
-            raise ValueError(f"enable(trainer, mode={mode!r}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has mode "
-                             f"{block.get('mode')!r}: give one mode")
+            raise ValueError(
+                f"enable(trainer, mode={mode!r}) but the DeepSpeed JSON's {CONFIG_KEY!r} block has mode "
+                f"{block.get('mode')!r}: give one mode"
+            )
         if seed is None and "seed" not in block:
-            raise ValueError(f"the DeepSpeed JSON's {CONFIG_KEY!r} block has no seed: add one, or enable(trainer, seed=...)")
+            raise ValueError(
+                f"the DeepSpeed JSON's {CONFIG_KEY!r} block has no seed: add one, or enable(trainer, seed=...)"
+            )
         block.setdefault("seed", seed)
         block.setdefault("mode", mode)
         seed = int(block["seed"])
     if not dist_sr_deepspeed_hook.enabled():
-        raise RuntimeError(f"{dist_sr_deepspeed_hook.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; "
-                           "unset it to use SR")
+        raise RuntimeError(
+            f"{dist_sr_deepspeed_hook.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; unset it to use SR"
+        )
     dist_sr_deepspeed_hook.register()  # deepspeed.initialize honours the block from now on
     return seed
 
@@ -149,17 +163,24 @@ class DistSRCallback(TrainerCallback):
         if self.backend == "deepspeed":
             engine = self.trainer.model_wrapped
             if getattr(engine, "dist_sr", None) is None:
-                raise RuntimeError("the DeepSpeed engine was built without dist-sr's SR: call "
-                                   "dist_sr.integrations.trl.enable(trainer) before trainer.train()")
+                raise RuntimeError(
+                    "the DeepSpeed engine was built without dist-sr's SR: call "
+                    "dist_sr.integrations.trl.enable(trainer) before trainer.train()"
+                )
             return
         model = self.trainer.model_wrapped
         reshard_all(model)  # a forward without backward leaves the root unsharded: read the shards
-        lost = [n for n, p in model.named_parameters()
-                if p.requires_grad and not isinstance(getattr(p, "_local_tensor", p), SRShadowParam)]
+        lost = [
+            n
+            for n, p in model.named_parameters()
+            if p.requires_grad and not isinstance(getattr(p, "_local_tensor", p), SRShadowParam)
+        ]
         if lost:
-            raise RuntimeError(f"{len(lost)} trainable parameters lost their SR wrapping while accelerate prepared "
-                               f"the model (first: {lost[0]}); enable() must run before trainer.train(), with no "
-                               "other code re-creating the parameters")
+            raise RuntimeError(
+                f"{len(lost)} trainable parameters lost their SR wrapping while accelerate prepared "
+                f"the model (first: {lost[0]}); enable() must run before trainer.train(), with no "
+                "other code re-creating the parameters"
+            )
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         if self._handle is None:
             self._handle = self.ctx.track(inner)
@@ -197,8 +218,9 @@ class DistSRCallback(TrainerCallback):
         sums = torch.zeros(2, dtype=torch.float64, device=device)
         current = {}
         for name, master, offset in self._master_pieces():
-            working = stochastic_round(master, seed=key.seed, step=key.step, param=key.key_name(name), offset=offset,
-                                       mode=key.mode)
+            working = stochastic_round(
+                master, seed=key.seed, step=key.step, param=key.key_name(name), offset=offset, mode=key.mode
+            )
             current[(name, offset)] = (master.clone(), working)
             before = None if self._previous is None else self._previous.get((name, offset))
             if before is not None and before[0].shape == master.shape:

@@ -61,16 +61,24 @@ def _targets():
     except ImportError as exc:
         raise ImportError(f"dist_sr.integrations.verl needs verl's engine modules (verl 0.9): {exc}") from exc
     engine = getattr(transformer_impl, "FSDPEngine", None)
-    needed = ("_build_fsdp_module", "_build_optimizer", "get_per_tensor_param", "get_per_tensor_param_shard",
-              "save_checkpoint", "load_checkpoint")
+    needed = (
+        "_build_fsdp_module",
+        "_build_optimizer",
+        "get_per_tensor_param",
+        "get_per_tensor_param_shard",
+        "save_checkpoint",
+        "load_checkpoint",
+    )
     missing = [f"FSDPEngine.{m}" for m in needed if not hasattr(engine, m)] if engine is not None else ["FSDPEngine"]
     if not hasattr(getattr(base, "EngineRegistry", None), "new"):
         missing.append("EngineRegistry.new")
     if missing:
         import verl
 
-        raise ImportError(f"dist_sr.integrations.verl: verl {getattr(verl, '__version__', '?')} lacks "
-                          f"{', '.join(missing)} (written for verl 0.9's FSDP2 engine)")
+        raise ImportError(
+            f"dist_sr.integrations.verl: verl {getattr(verl, '__version__', '?')} lacks "
+            f"{', '.join(missing)} (written for verl 0.9's FSDP2 engine)"
+        )
     return base.EngineRegistry, engine, getattr(transformer_impl, "FSDPEngineWithValueHead", None)
 
 
@@ -101,29 +109,46 @@ def check_actor(model_type: str, backend: str, model_config, engine_config) -> N
         return
     fix = "or drop actor_rollout_ref.model.external_lib=dist_sr.integrations.verl"
     if backend != "fsdp2":
-        hint = " (FSDP1 flattens parameters, so there is no per-parameter all-gather to round)" if backend == "fsdp" else ""
-        raise VerlUnsupported(f"keyed SR in verl needs the FSDP2 engine, but actor_rollout_ref.actor.strategy is "
-                              f"{backend!r}{hint}; set actor_rollout_ref.actor.strategy=fsdp2, {fix}")
+        hint = (
+            " (FSDP1 flattens parameters, so there is no per-parameter all-gather to round)"
+            if backend == "fsdp"
+            else ""
+        )
+        raise VerlUnsupported(
+            f"keyed SR in verl needs the FSDP2 engine, but actor_rollout_ref.actor.strategy is "
+            f"{backend!r}{hint}; set actor_rollout_ref.actor.strategy=fsdp2, {fix}"
+        )
     lora = getattr(model_config, "lora", None) or {}
-    if getattr(model_config, "lora_rank", 0) > 0 or getattr(model_config, "lora_adapter_path", None) or \
-            (hasattr(lora, "get") and lora.get("rank", 0)):
-        raise VerlUnsupported("keyed SR with LoRA is not supported: the adapters train in their own dtype and vLLM "
-                              f"receives merged or separate adapter weights; set actor_rollout_ref.model.lora_rank=0, {fix}")
+    if (
+        getattr(model_config, "lora_rank", 0) > 0
+        or getattr(model_config, "lora_adapter_path", None)
+        or (hasattr(lora, "get") and lora.get("rank", 0))
+    ):
+        raise VerlUnsupported(
+            "keyed SR with LoRA is not supported: the adapters train in their own dtype and vLLM "
+            f"receives merged or separate adapter weights; set actor_rollout_ref.model.lora_rank=0, {fix}"
+        )
     qat = getattr(engine_config, "qat", None)
     if qat is not None and getattr(qat, "enable", False):
         raise VerlUnsupported(f"keyed SR with QAT is not supported (the rollout holds quantized weights); {fix}")
     mp = getattr(engine_config, "mixed_precision", None) or {}
     param, reduce = mp.get("param_dtype", "bf16"), mp.get("reduce_dtype", "fp32")
     if str(param) not in ("bf16", "bfloat16") or str(reduce) not in ("fp32", "float32"):
-        raise VerlUnsupported(f"keyed SR rounds FP32 masters to BF16 working weights with FP32 gradient reduction; "
-                              f"fsdp_config.mixed_precision has param_dtype={param!r}, reduce_dtype={reduce!r}: use "
-                              f"bf16 and fp32, {fix}")
+        raise VerlUnsupported(
+            f"keyed SR rounds FP32 masters to BF16 working weights with FP32 gradient reduction; "
+            f"fsdp_config.mixed_precision has param_dtype={param!r}, reduce_dtype={reduce!r}: use "
+            f"bf16 and fp32, {fix}"
+        )
     if str(getattr(engine_config, "model_dtype", "fp32")) not in ("fp32", "float32"):
-        raise VerlUnsupported(f"keyed SR needs FP32 masters; fsdp_config.model_dtype is "
-                              f"{engine_config.model_dtype!r}: set it to fp32, {fix}")
+        raise VerlUnsupported(
+            f"keyed SR needs FP32 masters; fsdp_config.model_dtype is "
+            f"{engine_config.model_dtype!r}: set it to fp32, {fix}"
+        )
     if getattr(engine_config, "offload_policy", False):
-        raise VerlUnsupported(f"keyed SR with fsdp_config.offload_policy=True (FSDP2's CPUOffloadPolicy) is not "
-                              f"tested; use param_offload instead, or turn it off, {fix}")
+        raise VerlUnsupported(
+            f"keyed SR with fsdp_config.offload_policy=True (FSDP2's CPUOffloadPolicy) is not "
+            f"tested; use param_offload instead, or turn it off, {fix}"
+        )
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -138,8 +163,9 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         if not (isinstance(t, DTensor) and isinstance(t._local_tensor, SRShadowParam)):
             continue
         if export is None:  # the master behind the wrapper, same placements
-            state_dict[name] = DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements, shape=t.shape,
-                                                  stride=t.stride(), run_check=False)
+            state_dict[name] = DTensor.from_local(
+                t._local_tensor._data, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False
+            )
         else:
             state_dict[name] = export.working(t._local_tensor._name, params)
 
@@ -167,14 +193,21 @@ def _check_wrapped(module, ctx) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    lost = [n for n, p in module.named_parameters() if p.requires_grad and normalize_param_name(n) in ctx.names
-            and not isinstance(p.to_local() if isinstance(p, DTensor) else p, SRShadowParam)]
+    lost = [
+        n
+        for n, p in module.named_parameters()
+        if p.requires_grad
+        and normalize_param_name(n) in ctx.names
+        and not isinstance(p.to_local() if isinstance(p, DTensor) else p, SRShadowParam)
+    ]
     flag = torch.tensor([len(lost)], dtype=torch.float64)
     dist.all_reduce(flag)
     if flag.item():
-        raise RuntimeError(f"dist-sr: after verl's FSDP2 build, {int(flag.item())} actor parameter(s) lost the SR "
-                           f"wrapping on some rank (this rank: {lost[:4]}); the all-gather would round to nearest. "
-                           "This verl/torch combination is not supported")
+        raise RuntimeError(
+            f"dist-sr: after verl's FSDP2 build, {int(flag.item())} actor parameter(s) lost the SR "
+            f"wrapping on some rank (this rank: {lost[:4]}); the all-gather would round to nearest. "
+            "This verl/torch combination is not supported"
+        )
 
 
 def _optimizer_steps(optimizer) -> int | None:
@@ -259,23 +292,35 @@ def enable() -> None:
         if path.exists():
             ctx.load_state_dict(json.loads(path.read_text()))  # refuses another seed or mode
             if steps is not None and steps != ctx.step:
-                raise RuntimeError(f"dist-sr: {path} says the key is at step {ctx.step}, but the optimizer state loaded "
-                                   f"beside it has taken {steps} steps; the checkpoint is inconsistent")
+                raise RuntimeError(
+                    f"dist-sr: {path} says the key is at step {ctx.step}, but the optimizer state loaded "
+                    f"beside it has taken {steps} steps; the checkpoint is inconsistent"
+                )
         elif steps is not None:
-            log.warning("dist-sr: %s has no %s (saved without dist-sr); the key's step is taken from the optimizer "
-                        "(%d)", local_path, KEY_FILE, steps)
+            log.warning(
+                "dist-sr: %s has no %s (saved without dist-sr); the key's step is taken from the optimizer (%d)",
+                local_path,
+                KEY_FILE,
+                steps,
+            )
             ctx.step = steps
         else:
-            raise RuntimeError(f"dist-sr: {local_path} has neither {KEY_FILE} nor optimizer steps: the rounding key's "
-                               "step cannot be restored")
+            raise RuntimeError(
+                f"dist-sr: {local_path} has neither {KEY_FILE} nor optimizer steps: the rounding key's "
+                "step cannot be restored"
+            )
         ctx.masters_changed()
         return result
 
     registry.new = classmethod(checked_new)
-    for name, fn in (("_build_fsdp_module", _build_fsdp_module), ("_build_optimizer", _build_optimizer),
-                     ("get_per_tensor_param", get_per_tensor_param),
-                     ("get_per_tensor_param_shard", get_per_tensor_param_shard),
-                     ("save_checkpoint", save_checkpoint), ("load_checkpoint", load_checkpoint)):
+    for name, fn in (
+        ("_build_fsdp_module", _build_fsdp_module),
+        ("_build_optimizer", _build_optimizer),
+        ("get_per_tensor_param", get_per_tensor_param),
+        ("get_per_tensor_param_shard", get_per_tensor_param_shard),
+        ("save_checkpoint", save_checkpoint),
+        ("load_checkpoint", load_checkpoint),
+    ):
         setattr(fn, PATCHED, True)
         setattr(engine_cls, name, fn)
 

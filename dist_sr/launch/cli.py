@@ -1,11 +1,11 @@
 """``dist-sr``: train, compare, inspect rounding keys.
 
-    dist-sr compare [CONFIG]             precision comparison (embedded default without CONFIG)
-    dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG); the options
-                                         and checks of launch/train.py, which torchrun/deepspeed start
-    dist-sr key NAME --seed S --step T   print a parameter's stream key
-    dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
-    dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
+dist-sr compare [CONFIG]             precision comparison (embedded default without CONFIG)
+dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG); the options
+                                     and checks of launch/train.py, which torchrun/deepspeed start
+dist-sr key NAME --seed S --step T   print a parameter's stream key
+dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
+dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
 """
 
 from __future__ import annotations
@@ -22,18 +22,29 @@ from . import k8s, planner
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dist-sr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="dist-sr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     p_train = sub.add_parser("train", help="one GRPO run (the options of launch/train.py)")
-    p_train.add_argument("config_file", nargs="?", metavar="CONFIG",
-                         help="experiment YAML (default: the embedded quickstart); same as --config")
+    p_train.add_argument(
+        "config_file",
+        nargs="?",
+        metavar="CONFIG",
+        help="experiment YAML (default: the embedded quickstart); same as --config",
+    )
     planner.add_arguments(p_train)
 
     p_cmp = sub.add_parser("compare", help="every precision x seeds, then report.md + figure.png")
     p_cmp.add_argument("config", nargs="?", help="comparison YAML (default: the embedded quickstart comparison)")
-    p_cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a top-level field, e.g. --set 'seeds=[0]' --set parallel=1")
+    p_cmp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a top-level field, e.g. --set 'seeds=[0]' --set parallel=1",
+    )
     p_cmp.add_argument("--report-only", action="store_true", help="rewrite the report from finished runs")
     p_cmp.add_argument("--no-progress", action="store_true")
 
@@ -46,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p_k8s = sub.add_parser("k8s", help="render Kubernetes manifests from an experiment config", add_help=False)
     p_k8s.add_argument("args", nargs=argparse.REMAINDER)
 
-    p_hook = sub.add_parser("deepspeed-hook", help="install|uninstall|status of the deepspeed.initialize hook",
-                            add_help=False)
+    p_hook = sub.add_parser(
+        "deepspeed-hook", help="install|uninstall|status of the deepspeed.initialize hook", add_help=False
+    )
     p_hook.add_argument("args", nargs=argparse.REMAINDER)
 
     if argv is None:

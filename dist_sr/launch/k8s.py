@@ -41,14 +41,17 @@ CONFIG_MOUNT = "/etc/dist-sr"
 SECRET_MOUNT = "/etc/dist-sr-secret"
 SECRET_FILE = "sync-secret.yaml"
 DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
-WORKDIR = "/opt/dist-sr"          # the image's checkout (docker/Dockerfile)
+WORKDIR = "/opt/dist-sr"  # the image's checkout (docker/Dockerfile)
 ENTRY = "launch/train.py"
 HTTP_PORT_NAME = "http"
 
 
 def _labels(cfg: ExperimentConfig, component: str) -> dict:
-    return {"app.kubernetes.io/name": "dist-sr", "app.kubernetes.io/instance": cfg.cluster.name,
-            "app.kubernetes.io/component": component}
+    return {
+        "app.kubernetes.io/name": "dist-sr",
+        "app.kubernetes.io/instance": cfg.cluster.name,
+        "app.kubernetes.io/component": component,
+    }
 
 
 def _meta(cfg: ExperimentConfig, name: str, component: str) -> dict:
@@ -57,9 +60,16 @@ def _meta(cfg: ExperimentConfig, name: str, component: str) -> dict:
 
 def names(cfg: ExperimentConfig) -> dict:
     n = cfg.cluster.name
-    return {"config": f"{n}-config", "data": f"{n}-data", "trainer": f"{n}-trainer", "vllm": f"{n}-vllm",
-            "secret": f"{n}-sync-secret", "deny": f"{n}-default-deny", "policy": f"{n}-vllm-ingress",
-            "trainer_policy": f"{n}-trainer-ingress"}
+    return {
+        "config": f"{n}-config",
+        "data": f"{n}-data",
+        "trainer": f"{n}-trainer",
+        "vllm": f"{n}-vllm",
+        "secret": f"{n}-sync-secret",
+        "deny": f"{n}-default-deny",
+        "policy": f"{n}-vllm-ingress",
+        "trainer_policy": f"{n}-trainer-ingress",
+    }
 
 
 def fleet_urls(cfg: ExperimentConfig) -> list[str]:
@@ -101,11 +111,24 @@ def trainer_command(cfg: ExperimentConfig) -> list[str]:
     Kubernetes from the container's env."""
     c = cfg.cluster
     if c.launcher == "torchrun":
-        launcher = ["torchrun", f"--nnodes={c.nnodes}", f"--nproc-per-node={c.nproc_per_node}",
-                    "--node-rank=$(NODE_RANK)", "--master-addr=$(MASTER_ADDR)", f"--master-port={c.master_port}"]
+        launcher = [
+            "torchrun",
+            f"--nnodes={c.nnodes}",
+            f"--nproc-per-node={c.nproc_per_node}",
+            "--node-rank=$(NODE_RANK)",
+            "--master-addr=$(MASTER_ADDR)",
+            f"--master-port={c.master_port}",
+        ]
     else:
-        launcher = ["deepspeed", "--no_ssh", f"--num_nodes={c.nnodes}", f"--num_gpus={c.nproc_per_node}",
-                    "--node_rank=$(NODE_RANK)", "--master_addr=$(MASTER_ADDR)", f"--master_port={c.master_port}"]
+        launcher = [
+            "deepspeed",
+            "--no_ssh",
+            f"--num_nodes={c.nnodes}",
+            f"--num_gpus={c.nproc_per_node}",
+            "--node_rank=$(NODE_RANK)",
+            "--master_addr=$(MASTER_ADDR)",
+            f"--master_port={c.master_port}",
+        ]
     return launcher + [ENTRY, "--config", f"{CONFIG_MOUNT}/experiment.yaml", "--resume-or-start", "--no-progress"]
 
 
@@ -114,14 +137,18 @@ def _volumes(cfg: ExperimentConfig, *, data_read_only: bool = False) -> tuple[li
     Engines mount the data volume read-only: they read snapshots, and must not be able to plant
     files the trainer loads."""
     nm = names(cfg)
-    volumes = [{"name": "config", "configMap": {"name": nm["config"]}},
-               {"name": "data", "persistentVolumeClaim": {"claimName": nm["data"]}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-               {"name": "sync-secret", "secret": {"secretName": nm["secret"], "defaultMode": 0o400}}]
-    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-              {"name": "data", "mountPath": cfg.cluster.data_dir, **({"readOnly": True} if data_read_only else {})},
-              {"name": "dshm", "mountPath": "/dev/shm"},
-              {"name": "sync-secret", "mountPath": SECRET_MOUNT, "readOnly": True}]
+    volumes = [
+        {"name": "config", "configMap": {"name": nm["config"]}},
+        {"name": "data", "persistentVolumeClaim": {"claimName": nm["data"]}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "sync-secret", "secret": {"secretName": nm["secret"], "defaultMode": 0o400}},
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "data", "mountPath": cfg.cluster.data_dir, **({"readOnly": True} if data_read_only else {})},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "sync-secret", "mountPath": SECRET_MOUNT, "readOnly": True},
+    ]
     return volumes, mounts
 
 
@@ -129,8 +156,13 @@ SECRET_ENV = {"name": auth.ENV_FILE, "value": f"{SECRET_MOUNT}/secret"}
 
 
 def sync_secret(cfg: ExperimentConfig, value: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(cfg, names(cfg)["secret"], "secret"),
-            "type": "Opaque", "stringData": {"secret": value}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(cfg, names(cfg)["secret"], "secret"),
+        "type": "Opaque",
+        "stringData": {"secret": value},
+    }
 
 
 def _resources(cpu: str, memory: str, gpus: int) -> dict:
@@ -145,8 +177,12 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
     c, nm = cfg.cluster, names(cfg)
     volumes, mounts = _volumes(cfg)
     env = [
-        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+        {
+            "name": "NODE_RANK",
+            "valueFrom": {
+                "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+            },
+        },
         {"name": "MASTER_ADDR", "value": master_addr(cfg)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         SECRET_ENV,
@@ -156,28 +192,51 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
     ports = [{"name": "rendezvous", "containerPort": c.master_port}]
     if cfg.rollout.engine == "vllm":
         ports.append({"name": "weight-group", "containerPort": cfg.rollout.vllm.group_port})
-    container = {"name": "trainer", "image": c.image, "workingDir": WORKDIR, "command": trainer_command(cfg),
-                 "env": env, "ports": ports, "volumeMounts": mounts,
-                 "resources": _resources(c.cpu_per_node, c.memory_per_node, c.gpus_per_node)}
+    container = {
+        "name": "trainer",
+        "image": c.image,
+        "workingDir": WORKDIR,
+        "command": trainer_command(cfg),
+        "env": env,
+        "ports": ports,
+        "volumeMounts": mounts,
+        "resources": _resources(c.cpu_per_node, c.memory_per_node, c.gpus_per_node),
+    }
     return {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(cfg, nm["trainer"], "trainer"),
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(cfg, nm["trainer"], "trainer"),
         "spec": {
-            "completionMode": "Indexed", "completions": c.nnodes, "parallelism": c.nnodes,
+            "completionMode": "Indexed",
+            "completions": c.nnodes,
+            "parallelism": c.nnodes,
             # one lost node fails the whole job; resubmitting resumes from the checkpoint (--resume-or-start)
             "backoffLimit": 0,
             "template": {
                 "metadata": {"labels": _labels(cfg, "trainer")},
-                "spec": {"subdomain": nm["trainer"], "restartPolicy": "Never", "containers": [container],
-                         "volumes": volumes},
+                "spec": {
+                    "subdomain": nm["trainer"],
+                    "restartPolicy": "Never",
+                    "containers": [container],
+                    "volumes": volumes,
+                },
             },
         },
     }
 
 
 def headless_service(cfg: ExperimentConfig, name: str, component: str, ports: list[dict]) -> dict:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cfg, name, component),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                     "selector": _labels(cfg, component), "ports": ports}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cfg, name, component),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": _labels(cfg, component),
+            "ports": ports,
+        },
+    }
 
 
 def vllm_command(cfg: ExperimentConfig) -> list[str]:
@@ -185,14 +244,15 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
     dist-sr weight-transfer backend; it waits for the first snapshot to exist."""
     f = cfg.rollout.vllm
     model = shlex.quote(cfg.model.path or f"{snapshot_dir(cfg)}/current")  # a path is one word, never a command
-    serve = (f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
-             f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
-             f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
-             f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension "
-             f"--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware")
+    serve = (
+        f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
+        f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
+        f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
+        f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension "
+        f"--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware"
+    )
     config_json = shlex.quote(f"{cfg.model.path or snapshot_dir(cfg) + '/current'}/config.json")
-    wait = f"until [ -e {config_json} ]; do echo waiting for {model}; sleep 5; done; " \
-        if cfg.model.path is None else ""
+    wait = f"until [ -e {config_json} ]; do echo waiting for {model}; sleep 5; done; " if cfg.model.path is None else ""
     return ["/bin/sh", "-c", wait + serve]
 
 
@@ -201,20 +261,33 @@ def vllm_statefulset(cfg: ExperimentConfig) -> dict:
     volumes, mounts = _volumes(cfg, data_read_only=True)
     gpus = c.gpus_per_engine if c.gpus_per_engine is not None else (f.tensor_parallel_size if c.gpus_per_node else 0)
     container = {
-        "name": "vllm", "image": c.image, "command": vllm_command(cfg),
-        "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"},  # weight routes, behind SyncAuthMiddleware
-                {"name": "VLLM_PLUGINS", "value": "dist_sr"}, SECRET_ENV],
+        "name": "vllm",
+        "image": c.image,
+        "command": vllm_command(cfg),
+        "env": [
+            {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},  # weight routes, behind SyncAuthMiddleware
+            {"name": "VLLM_PLUGINS", "value": "dist_sr"},
+            SECRET_ENV,
+        ],
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": f.port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
         "volumeMounts": mounts,
         "resources": _resources(c.cpu_per_engine, c.memory_per_engine, gpus),
     }
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(cfg, nm["vllm"], "rollout"),
-        "spec": {"serviceName": nm["vllm"], "replicas": f.replicas, "podManagementPolicy": "Parallel",
-                 "selector": {"matchLabels": _labels(cfg, "rollout")},
-                 "template": {"metadata": {"labels": _labels(cfg, "rollout")},
-                              "spec": {"containers": [container], "volumes": volumes}}},
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(cfg, nm["vllm"], "rollout"),
+        "spec": {
+            "serviceName": nm["vllm"],
+            "replicas": f.replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": _labels(cfg, "rollout")},
+            "template": {
+                "metadata": {"labels": _labels(cfg, "rollout")},
+                "spec": {"containers": [container], "volumes": volumes},
+            },
+        },
     }
 
 
@@ -236,13 +309,24 @@ def network_policies(cfg: ExperimentConfig) -> list[dict]:
     peers = [trainer, rollout] if fleet else [trainer]
 
     def policy(name, component, ingress, egress):
-        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(cfg, name, component),
-                "spec": {"podSelector": {"matchLabels": _labels(cfg, component)}, "policyTypes": ["Ingress", "Egress"],
-                         "ingress": copy.deepcopy(ingress), "egress": copy.deepcopy(egress)}}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(cfg, name, component),
+            "spec": {
+                "podSelector": {"matchLabels": _labels(cfg, component)},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": copy.deepcopy(ingress),
+                "egress": copy.deepcopy(egress),
+            },
+        }
 
-    deny = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _meta(cfg, nm["deny"], "policy"),
-            "spec": {"podSelector": {"matchLabels": instance}, "policyTypes": ["Ingress", "Egress"]}}
+    deny = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(cfg, nm["deny"], "policy"),
+        "spec": {"podSelector": {"matchLabels": instance}, "policyTypes": ["Ingress", "Egress"]},
+    }
     out = [deny, policy(nm["trainer_policy"], "trainer", [{"from": peers}], [{"to": peers}, dns])]
     if fleet:
         out.append(policy(nm["policy"], "rollout", [{"from": [trainer, rollout]}], [{"to": [trainer, rollout]}, dns]))
@@ -253,12 +337,20 @@ def render(cfg: ExperimentConfig) -> dict[str, list[dict]]:
     """File name -> the Kubernetes objects in it."""
     c, nm = cfg.cluster, names(cfg)
     data, ds = cluster_config(cfg)
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cfg, nm["config"], "config"),
-                  "data": {"experiment.yaml": yaml.safe_dump(data, sort_keys=False)}}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(cfg, nm["config"], "config"),
+        "data": {"experiment.yaml": yaml.safe_dump(data, sort_keys=False)},
+    }
     if ds is not None:
         config_map["data"]["deepspeed.json"] = json.dumps(ds, indent=2) + "\n"
-    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(cfg, nm["data"], "storage"),
-           "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": c.storage}}}}
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(cfg, nm["data"], "storage"),
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": c.storage}}},
+    }
     if c.storage_class:
         pvc["spec"]["storageClassName"] = c.storage_class
     trainer_ports = [{"name": "rendezvous", "port": c.master_port}]
@@ -271,8 +363,9 @@ def render(cfg: ExperimentConfig) -> dict[str, list[dict]]:
         "trainer-job.yaml": [trainer_job(cfg)],
     }
     if cfg.rollout.engine == "vllm":
-        files["vllm-service.yaml"] = [headless_service(cfg, nm["vllm"], "rollout",
-                                                       [{"name": HTTP_PORT_NAME, "port": cfg.rollout.vllm.port}])]
+        files["vllm-service.yaml"] = [
+            headless_service(cfg, nm["vllm"], "rollout", [{"name": HTTP_PORT_NAME, "port": cfg.rollout.vllm.port}])
+        ]
         files["vllm-statefulset.yaml"] = [vllm_statefulset(cfg)]
     files["networkpolicy.yaml"] = network_policies(cfg)
     return files
@@ -284,8 +377,11 @@ def write_secret(cfg: ExperimentConfig, out: Path, header: str) -> Path:
     path = out / SECRET_FILE
     if path.exists():
         return path
-    text = header + "# The job's sync secret: apply it first, keep it out of version control.\n" + \
-        yaml.safe_dump(sync_secret(cfg, auth.generate()), sort_keys=False)
+    text = (
+        header
+        + "# The job's sync secret: apply it first, keep it out of version control.\n"
+        + yaml.safe_dump(sync_secret(cfg, auth.generate()), sort_keys=False)
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -302,8 +398,7 @@ def write(cfg: ExperimentConfig, out_dir: str | Path, source: str = "") -> list[
         path = out / name
         path.write_text(header + "---\n".join(yaml.safe_dump(copy.deepcopy(o), sort_keys=False) for o in objs))
         written.append(path)
-    kustom = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-              "resources": list(files)}
+    kustom = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": list(files)}
     (out / "kustomization.yaml").write_text(header + yaml.safe_dump(kustom, sort_keys=False))
     return written + [out / "kustomization.yaml", write_secret(cfg, out, header)]
 
@@ -328,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in write(cfg, args.output, source=args.config or "the embedded default"):
         print(path)
-    print(f"apply with: kubectl apply -f {Path(args.output) / SECRET_FILE} && kubectl apply -k {args.output}",
-          file=sys.stderr)
+    print(
+        f"apply with: kubectl apply -f {Path(args.output) / SECRET_FILE} && kubectl apply -k {args.output}",
+        file=sys.stderr,
+    )
     return 0

@@ -42,7 +42,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 def build_parser(prog: str = "launch/train.py") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog=prog, description="GRPO training with dist-sr under deepspeed, torchrun or one process.")
+        prog=prog, description="GRPO training with dist-sr under deepspeed, torchrun or one process."
+    )
     add_arguments(ap)
     return ap
 
@@ -50,25 +51,55 @@ def build_parser(prog: str = "launch/train.py") -> argparse.ArgumentParser:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The entry point's options (``dist-sr train`` takes the same, plus the config positionally)."""
     ap.add_argument("--config", help="experiment YAML (default: the embedded quickstart run)")
-    ap.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", metavar="JSON",
-                    help="DeepSpeed JSON (may hold a stochastic_rounding block); implies --engine deepspeed")
-    ap.add_argument("--engine", choices=engine_names(),
-                    help="training engine (default: the config's distributed.engine)")
-    ap.add_argument("--backend", choices=BACKENDS, default="auto",
-                    help="process-group backend: auto = nccl with CUDA, gloo without")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set grpo.lr=1e-5 --set precision=bf16-sr")
+    ap.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="deepspeed_config",
+        metavar="JSON",
+        help="DeepSpeed JSON (may hold a stochastic_rounding block); implies --engine deepspeed",
+    )
+    ap.add_argument(
+        "--engine", choices=engine_names(), help="training engine (default: the config's distributed.engine)"
+    )
+    ap.add_argument(
+        "--backend", choices=BACKENDS, default="auto", help="process-group backend: auto = nccl with CUDA, gloo without"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set grpo.lr=1e-5 --set precision=bf16-sr",
+    )
     ap.add_argument("--output-dir", help="run directory (overrides output_dir)")
-    ap.add_argument("--resume", action="store_const", const=True, default=False,
-                    help="continue from the run directory's checkpoint (an error if there is none)")
-    ap.add_argument("--resume-or-start", dest="resume", action="store_const", const="auto",
-                    help="continue from the checkpoint if there is one, else start fresh (restartable jobs)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace a run already in the output directory (its metrics and checkpoints)")
+    ap.add_argument(
+        "--resume",
+        action="store_const",
+        const=True,
+        default=False,
+        help="continue from the run directory's checkpoint (an error if there is none)",
+    )
+    ap.add_argument(
+        "--resume-or-start",
+        dest="resume",
+        action="store_const",
+        const="auto",
+        help="continue from the checkpoint if there is one, else start fresh (restartable jobs)",
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a run already in the output directory (its metrics and checkpoints)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="check config and world, print the plan, exit")
-    ap.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
-                    help="set by the deepspeed launcher; LOCAL_RANK in the environment takes precedence")
+    ap.add_argument(
+        "--local_rank",
+        "--local-rank",
+        dest="local_rank",
+        type=int,
+        help="set by the deepspeed launcher; LOCAL_RANK in the environment takes precedence",
+    )
 
 
 @dataclass
@@ -79,12 +110,14 @@ class Plan:
     world: int
     rank: int
     local_rank: int
-    launched: bool           # a launcher set WORLD_SIZE
+    launched: bool  # a launcher set WORLD_SIZE
 
     def describe(self) -> str:
-        return (f"engine={self.engine} backend={self.backend} world={self.world} rank={self.rank} "
-                f"local_rank={self.local_rank} precision={self.config.precision.precision} "
-                f"rollout={self.config.rollout.engine} output_dir={self.config.output_dir}")
+        return (
+            f"engine={self.engine} backend={self.backend} world={self.world} rank={self.rank} "
+            f"local_rank={self.local_rank} precision={self.config.precision.precision} "
+            f"rollout={self.config.rollout.engine} output_dir={self.config.output_dir}"
+        )
 
 
 def _int_env(env: dict, name: str) -> int | None:
@@ -127,8 +160,10 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
     engine = args.engine or cfg.distributed.engine
     if args.deepspeed_config:
         if args.engine not in (None, "deepspeed") or (args.engine is None and cfg.distributed.engine == "fsdp2"):
-            raise ConfigError(f"--deepspeed_config was given but the engine is {engine!r}: a DeepSpeed JSON "
-                              "only drives distributed.engine=deepspeed (drop it, or use --engine deepspeed)")
+            raise ConfigError(
+                f"--deepspeed_config was given but the engine is {engine!r}: a DeepSpeed JSON "
+                "only drives distributed.engine=deepspeed (drop it, or use --engine deepspeed)"
+            )
         engine = "deepspeed"
     if engine != cfg.distributed.engine:
         overrides["distributed.engine"] = engine
@@ -145,9 +180,11 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
     if local_rank is None:
         local_rank = args.local_rank if args.local_rank is not None else 0
     if engine == "single" and world > 1:
-        raise ConfigError(f"the launcher started {world} processes but the engine is 'single', which would train "
-                          f"{world} independent copies; set distributed.engine (deepspeed or fsdp2) or "
-                          "pass --engine")
+        raise ConfigError(
+            f"the launcher started {world} processes but the engine is 'single', which would train "
+            f"{world} independent copies; set distributed.engine (deepspeed or fsdp2) or "
+            "pass --engine"
+        )
     if engine == "fsdp2":
         try:
             FSDP2Config.from_dict(cfg.distributed.fsdp2).check_world(world)
@@ -155,8 +192,10 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
             raise ConfigError(f"distributed.{exc}") from None
     g = cfg.grpo
     if g.prompts_per_step % world:
-        raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "
-                          f"use a multiple of {world} (each rank samples prompts_per_step / world prompts)")
+        raise ConfigError(
+            f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "
+            f"use a multiple of {world} (each rank samples prompts_per_step / world prompts)"
+        )
     if cfg.eval.num_prompts < world:
         raise ConfigError(f"eval.num_prompts={cfg.eval.num_prompts} is smaller than world size {world}")
     backend = args.backend
@@ -184,9 +223,11 @@ def _agree_on_precision(args, cfg: ExperimentConfig, overrides: dict) -> Experim
     mine = cfg.precision
     if mine.precision != ds["precision"] or ("seed" in ds and ds["seed"] != mine.seed):
         theirs = ds["precision"] + (f" (seed {ds['seed']})" if "seed" in ds else "")
-        raise ConfigError(f"precision {mine.precision} (seed {mine.seed}) in the experiment config contradicts "
-                          f"{path}, which says {theirs}; make them agree, or drop the experiment's precision "
-                          "section to take the DeepSpeed config's")
+        raise ConfigError(
+            f"precision {mine.precision} (seed {mine.seed}) in the experiment config contradicts "
+            f"{path}, which says {theirs}; make them agree, or drop the experiment's precision "
+            "section to take the DeepSpeed config's"
+        )
     return cfg
 
 
@@ -207,12 +248,19 @@ def _agree_on_hyperparameters(args, cfg: ExperimentConfig, overrides: dict) -> E
     if adopt:
         cfg = load_experiment(args.config or {}, {**overrides, **adopt})
     g = cfg.grpo
-    values = {"lr": g.lr, "betas": g.betas, "eps": g.eps, "weight_decay": g.weight_decay,
-              "max_grad_norm": g.max_grad_norm}
+    values = {
+        "lr": g.lr,
+        "betas": g.betas,
+        "eps": g.eps,
+        "weight_decay": g.weight_decay,
+        "max_grad_norm": g.max_grad_norm,
+    }
     conflicts = hyperparameter_conflicts(ds, values, g.optimizer)
     if conflicts:
-        raise ConfigError(f"the experiment and {path} disagree: {'; '.join(conflicts)}; make them equal, or drop "
-                          "one of the two (an unset experiment value takes the JSON's)")
+        raise ConfigError(
+            f"the experiment and {path} disagree: {'; '.join(conflicts)}; make them equal, or drop "
+            "one of the two (an unset experiment value takes the JSON's)"
+        )
     return cfg
 
 
@@ -246,8 +294,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     os.environ["LOCAL_RANK"] = str(p.local_rank)  # DeepSpeed reads it from the environment
     if p.engine != "single" and not p.launched:
         # A plain process running a distributed engine: a world of one on loopback.
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     try:
         init_distributed(p.engine, p.backend)
         path = train(p.config, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)

@@ -9,5 +9,14 @@ digest, ``shards`` where a shard's elements live in the full parameter.
 from .key import MODES, normalize_param_name, stream_key, stream_keys
 from .rounding import BACKENDS, RoundingBatch, RoundingJob, round_jobs, stochastic_round
 
-__all__ = ["BACKENDS", "MODES", "RoundingBatch", "RoundingJob", "normalize_param_name", "round_jobs",
-           "stochastic_round", "stream_key", "stream_keys"]
+__all__ = [
+    "BACKENDS",
+    "MODES",
+    "RoundingBatch",
+    "RoundingJob",
+    "normalize_param_name",
+    "round_jobs",
+    "stochastic_round",
+    "stream_key",
+    "stream_keys",
+]

@@ -35,7 +35,7 @@ class AdamWHyper:
     beta2: float
     eps: float
     weight_decay: float
-    step: int            # Adam's bias-correction step (1 for the first update)
+    step: int  # Adam's bias-correction step (1 for the first update)
     grad_scale: float = 1.0
 
     def scalars(self) -> dict[str, float]:

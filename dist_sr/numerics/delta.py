@@ -39,7 +39,7 @@ import torch
 LAYOUTS = ("bitmap", "gaps", "dense")
 MAGIC = b"DSRD"
 _HEADER = struct.Struct("<4sBBxxQQQQQQ")  # magic, format version, layout, numel, changed, escapes,
-HEADER_BYTES = _HEADER.size               # position bytes, sign bytes, escape bytes
+HEADER_BYTES = _HEADER.size  # position bytes, sign bytes, escape bytes
 _FORMAT = 1
 
 
@@ -55,9 +55,9 @@ class Delta:
     layout: str
     changed: int
     escapes: int
-    positions: torch.Tensor      # uint8: the bitmap or the gaps
-    signs: torch.Tensor          # uint8: ceil(changed / 8) bytes, bit j of the stream = change j
-    escape_bytes: torch.Tensor   # uint8: (gap, rest) varint pairs
+    positions: torch.Tensor  # uint8: the bitmap or the gaps
+    signs: torch.Tensor  # uint8: ceil(changed / 8) bytes, bit j of the stream = change j
+    escape_bytes: torch.Tensor  # uint8: (gap, rest) varint pairs
 
     @property
     def nbytes(self) -> int:
@@ -65,8 +65,17 @@ class Delta:
         return HEADER_BYTES + self.positions.numel() + self.signs.numel() + self.escape_bytes.numel()
 
     def to_bytes(self) -> bytes:
-        head = _HEADER.pack(MAGIC, _FORMAT, LAYOUTS.index(self.layout), self.numel, self.changed, self.escapes,
-                            self.positions.numel(), self.signs.numel(), self.escape_bytes.numel())
+        head = _HEADER.pack(
+            MAGIC,
+            _FORMAT,
+            LAYOUTS.index(self.layout),
+            self.numel,
+            self.changed,
+            self.escapes,
+            self.positions.numel(),
+            self.signs.numel(),
+            self.escape_bytes.numel(),
+        )
         return b"".join([head, _raw(self.positions), _raw(self.signs), _raw(self.escape_bytes)])
 
     @classmethod
@@ -76,15 +85,26 @@ class Delta:
             raise DeltaError(f"a delta of {len(data)} bytes is shorter than its {HEADER_BYTES}-byte header")
         magic, fmt, layout, numel, changed, escapes, npos, nsign, nesc = _HEADER.unpack_from(data)
         if magic != MAGIC or fmt != _FORMAT or layout >= len(LAYOUTS):
-            raise DeltaError(f"not a dist-sr delta of format {_FORMAT} (magic {bytes(magic)!r}, format {fmt}, "
-                             f"layout {layout})")
+            raise DeltaError(
+                f"not a dist-sr delta of format {_FORMAT} (magic {bytes(magic)!r}, format {fmt}, layout {layout})"
+            )
         expect = HEADER_BYTES + npos + nsign + nesc
-        if len(data) != expect or nsign != (changed + 7) // 8 or escapes > changed or changed > numel \
-                or not 2 * escapes <= nesc <= 13 * escapes:
-            raise DeltaError(f"damaged delta: {len(data)} bytes where its header implies {expect} "
-                             f"({changed} changes of {numel}, {escapes} escapes)")
-        buf = torch.frombuffer(bytearray(data[HEADER_BYTES:]), dtype=torch.uint8) if expect > HEADER_BYTES \
+        if (
+            len(data) != expect
+            or nsign != (changed + 7) // 8
+            or escapes > changed
+            or changed > numel
+            or not 2 * escapes <= nesc <= 13 * escapes
+        ):
+            raise DeltaError(
+                f"damaged delta: {len(data)} bytes where its header implies {expect} "
+                f"({changed} changes of {numel}, {escapes} escapes)"
+            )
+        buf = (
+            torch.frombuffer(bytearray(data[HEADER_BYTES:]), dtype=torch.uint8)
+            if expect > HEADER_BYTES
             else torch.empty(0, dtype=torch.uint8)
+        )
         pos, sig, esc = torch.split(buf, [npos, nsign, nesc])
         return cls(numel, LAYOUTS[layout], changed, escapes, pos.clone(), sig.clone(), esc.clone())
 
@@ -92,15 +112,17 @@ class Delta:
 def read_delta(buffer: torch.Tensor, offset: int) -> tuple[Delta, int]:
     """The delta starting at byte ``offset`` of a uint8 buffer holding several back to back, and
     the offset after it."""
-    head = buffer[offset:offset + HEADER_BYTES]
+    head = buffer[offset : offset + HEADER_BYTES]
     if head.numel() < HEADER_BYTES:
-        raise DeltaError(f"damaged delta stream: {head.numel()} bytes left where a {HEADER_BYTES}-byte header "
-                         "was expected")
+        raise DeltaError(
+            f"damaged delta stream: {head.numel()} bytes left where a {HEADER_BYTES}-byte header was expected"
+        )
     fields = _HEADER.unpack(head.numpy().tobytes())
     end = offset + HEADER_BYTES + sum(fields[-3:])
     if end > buffer.numel():
-        raise DeltaError(f"damaged delta stream: a delta of {end - offset} bytes where {buffer.numel() - offset} "
-                         "are left")
+        raise DeltaError(
+            f"damaged delta stream: a delta of {end - offset} bytes where {buffer.numel() - offset} are left"
+        )
     return Delta.from_bytes(buffer[offset:end].numpy().tobytes()), end
 
 
@@ -157,8 +179,9 @@ def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False) -> torc
         raise DeltaError(f"a delta for {delta.numel} elements does not apply to a tensor of {h.numel()}")
     if delta.layout == "dense":
         if delta.positions.numel() != 2 * h.numel() or delta.changed or delta.escapes:
-            raise DeltaError(f"damaged delta: a dense delta of {delta.positions.numel()} bytes for {h.numel()} "
-                             "16-bit elements")
+            raise DeltaError(
+                f"damaged delta: a dense delta of {delta.positions.numel()} bytes for {h.numel()} 16-bit elements"
+            )
         h.copy_(delta.positions.to(h.device).view(torch.int16))
         return held
     kernel = None if reference or h.device.type != "cpu" else _kernel()
@@ -166,8 +189,15 @@ def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False) -> torc
         _apply_reference(h, delta)
     else:
         try:
-            kernel.apply(h, LAYOUTS.index(delta.layout), delta.positions, delta.signs, delta.escape_bytes,
-                         delta.changed, delta.escapes)
+            kernel.apply(
+                h,
+                LAYOUTS.index(delta.layout),
+                delta.positions,
+                delta.signs,
+                delta.escape_bytes,
+                delta.changed,
+                delta.escapes,
+            )
         except RuntimeError as exc:
             raise DeltaError(str(exc).splitlines()[0]) from None
     return held
@@ -239,10 +269,18 @@ def _encode_reference(a: torch.Tensor, b: torch.Tensor, force: int) -> Delta:
     positions = gaps if use_gaps else _packbits(changed)
     esc = torch.nonzero(escape).reshape(-1)
     rest = step[esc].to(torch.int64) - torch.sign(step[esc]).to(torch.int64)
-    pairs = torch.stack([esc - torch.cat([esc.new_full((1,), -1), esc[:-1]]) - 1,
-                         ((rest << 1) ^ (rest >> 63)) - 1], 1).reshape(-1)
-    return Delta(n, LAYOUTS[int(use_gaps)], k, esc.numel(), positions.cpu(), _packbits(step[idx] < 0).cpu(),
-                 _varints(pairs).cpu())
+    pairs = torch.stack(
+        [esc - torch.cat([esc.new_full((1,), -1), esc[:-1]]) - 1, ((rest << 1) ^ (rest >> 63)) - 1], 1
+    ).reshape(-1)
+    return Delta(
+        n,
+        LAYOUTS[int(use_gaps)],
+        k,
+        esc.numel(),
+        positions.cpu(),
+        _packbits(step[idx] < 0).cpu(),
+        _varints(pairs).cpu(),
+    )
 
 
 def _apply_reference(h: torch.Tensor, delta: Delta) -> None:
@@ -272,8 +310,13 @@ def _apply_reference(h: torch.Tensor, delta: Delta) -> None:
     pairs = pairs.view(-1, 2)
     esc = torch.cumsum(pairs[:, 0] + 1, 0) - 1
     z = pairs[:, 1] + 1
-    if esc.numel() and (int(pairs[:, 0].min()) < 0 or int(pairs[:, 0].max()) >= n or int(esc[-1]) >= n
-                        or int(z.min()) < 1 or int(z.max()) > 0xFFFF):
+    if esc.numel() and (
+        int(pairs[:, 0].min()) < 0
+        or int(pairs[:, 0].max()) >= n
+        or int(esc[-1]) >= n
+        or int(z.min()) < 1
+        or int(z.max()) > 0xFFFF
+    ):
         raise DeltaError("damaged delta: an escape out of range")
     rest = (z >> 1) ^ -(z & 1)
     _add(h, idx.to(h.device), torch.where(signs[:k], -1, 1).to(h.device))

@@ -50,8 +50,8 @@ def piece_sum_reference(flat: torch.Tensor, start: int) -> int:
     total = 0
     lo = hi = torch.zeros((), dtype=torch.int64, device=words.device)
     for s in range(0, words.numel(), chunk):
-        v = words[s:s + chunk].to(torch.int64)
-        z = index_mix[:v.numel()] + signed64(((start + s) * GAMMA) & MASK64) + v * _MIX2
+        v = words[s : s + chunk].to(torch.int64)
+        z = index_mix[: v.numel()] + signed64(((start + s) * GAMMA) & MASK64) + v * _MIX2
         z = (z ^ logical_shr(z, 29)) * _MIX1
         z = z ^ logical_shr(z, 32)
         lo = lo + (z & 0xFFFFFFFF).sum()

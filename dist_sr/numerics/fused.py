@@ -90,10 +90,14 @@ class AdamWPlan:
         self.names = [pc.param for pc in self.pieces]
         self.moment_names = [[moment_param(pc.param, m) for pc in self.pieces] for m in ("exp_avg", "exp_avg_sq")]
         self._bf16_moments = [i for i, pc in enumerate(self.pieces) if pc.exp_avg.dtype == torch.bfloat16]
-        self.flat = [(pc.p.view(-1), pc.exp_avg.view(-1), pc.exp_avg_sq.view(-1),
-                       None if pc.out is None else pc.out.view(-1)) for pc in self.pieces]
-        self._backend = [backends.choose("reference" if pc.rows is not None else backend, pc.param, pc.p.device).name
-                         for pc in self.pieces]  # strided shards (rare: FSDP2 on a non-leading dim): the plain path
+        self.flat = [
+            (pc.p.view(-1), pc.exp_avg.view(-1), pc.exp_avg_sq.view(-1), None if pc.out is None else pc.out.view(-1))
+            for pc in self.pieces
+        ]
+        self._backend = [
+            backends.choose("reference" if pc.rows is not None else backend, pc.param, pc.p.device).name
+            for pc in self.pieces
+        ]  # strided shards (rare: FSDP2 on a non-leading dim): the plain path
         self.launches: dict = {}  # the backends' launch state for the piece subsets stepped so far
         self.grad_dtypes: set | None = None  # set by step_: its gradients' dtypes when every piece steps
         self._numels = [pc.p.numel() for pc in self.pieces]
@@ -115,13 +119,24 @@ class AdamWPlan:
         keys[0] = stream_keys(self.names, seed=seed, step=step, mode=mode)
         if self._bf16_moments:
             for row in (1, 2):
-                keys[row, self._bf16_moments] = stream_keys([self.moment_names[row - 1][i] for i in self._bf16_moments],
-                                                            seed=seed, step=step, mode=mode)
+                keys[row, self._bf16_moments] = stream_keys(
+                    [self.moment_names[row - 1][i] for i in self._bf16_moments], seed=seed, step=step, mode=mode
+                )
         return keys
 
-    def step_(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper],
-              slots: Sequence[int] | np.ndarray | None = None, *, seed: int, step: int, mode: str = "stochastic",
-              grad_scale: torch.Tensor | None = None, device_step=None, live: np.ndarray | None = ...) -> None:
+    def step_(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        hypers: Sequence[AdamWHyper],
+        slots: Sequence[int] | np.ndarray | None = None,
+        *,
+        seed: int,
+        step: int,
+        mode: str = "stochastic",
+        grad_scale: torch.Tensor | None = None,
+        device_step=None,
+        live: np.ndarray | None = ...,
+    ) -> None:
         """One step. ``grads[i]``: piece ``i``'s gradient (BF16 or FP32, its numel; None skips
         the piece). ``hypers[slots[i]]`` is piece ``i``'s AdamW setting (``slots`` defaults to
         one hyper per piece). ``grad_scale``: a one-element FP32 tensor on the pieces' device that
@@ -160,8 +175,10 @@ class AdamWPlan:
         if device_step is not None:
             odd = sorted(b for b in by_backend if not backends.get(b).device_keys)
             if odd:
-                raise ValueError("fused AdamW: steps derived on the device (capturable) need CUDA tensors and a backend "
-                                 f"that derives keys there (Triton); these pieces use {odd}")
+                raise ValueError(
+                    "fused AdamW: steps derived on the device (capturable) need CUDA tensors and a backend "
+                    f"that derives keys there (Triton); these pieces use {odd}"
+                )
             for b, idx in by_backend.items():
                 backends.get(b).adamw_step(self, idx, grads, hypers, slots, None, grad_scale, device_step)
             return
@@ -186,13 +203,18 @@ class AdamWPlan:
         dtypes = set(map(_DTYPE, grads))
         if idx is None:
             self.grad_dtypes = dtypes  # the backends' launch grouping reads it (one pass fewer)
-        if not (dtypes <= _GRAD_DTYPE_SET and list(map(torch.Tensor.numel, grads)) == numels
-                and list(map(torch.Tensor.get_device, grads)) == devices):
+        if not (
+            dtypes <= _GRAD_DTYPE_SET
+            and list(map(torch.Tensor.numel, grads)) == numels
+            and list(map(torch.Tensor.get_device, grads)) == devices
+        ):
             for k, g in enumerate(grads):
                 i = k if idx is None else idx[k]
                 if g.dtype not in _GRAD_DTYPES or g.numel() != self._numels[i] or g.device != self._devices[i]:
-                    raise TypeError(f"fused AdamW: grad of {self.names[i]!r} must be float32 or bfloat16 with the "
-                                    f"parameter's numel on {self._devices[i]}, got {g.dtype} x {g.numel()} on {g.device}")
+                    raise TypeError(
+                        f"fused AdamW: grad of {self.names[i]!r} must be float32 or bfloat16 with the "
+                        f"parameter's numel on {self._devices[i]}, got {g.dtype} x {g.numel()} on {g.device}"
+                    )
         if all(map(torch.Tensor.is_contiguous, grads)):
             return grads
         return [g if g.is_contiguous() else g.contiguous() for g in grads]
@@ -225,7 +247,9 @@ def _validate(pc: AdamWPiece) -> None:
     n = pc.p.numel()
     pure = pc.out is None
     if pure and pc.p.dtype != torch.bfloat16:
-        raise TypeError(f"fused AdamW: {pc.param!r} has no BF16 out, so its parameter must be bfloat16 (got {pc.p.dtype})")
+        raise TypeError(
+            f"fused AdamW: {pc.param!r} has no BF16 out, so its parameter must be bfloat16 (got {pc.p.dtype})"
+        )
     if not pure and pc.p.dtype != torch.float32:
         raise TypeError(f"fused AdamW: shadow of {pc.param!r} must be float32, got {pc.p.dtype}")
     if not pure and (pc.out.dtype != torch.bfloat16 or pc.out.numel() != n):
@@ -233,8 +257,10 @@ def _validate(pc: AdamWPiece) -> None:
     moment_dtypes = (torch.float32, torch.bfloat16) if pure else (torch.float32,)
     for name, t in (("exp_avg", pc.exp_avg), ("exp_avg_sq", pc.exp_avg_sq)):
         if t.dtype not in moment_dtypes or t.numel() != n:
-            raise TypeError(f"fused AdamW: {name} of {pc.param!r} must be {' or '.join(map(str, moment_dtypes))} "
-                            f"with the parameter's numel, got {t.dtype} x {t.numel()}")
+            raise TypeError(
+                f"fused AdamW: {name} of {pc.param!r} must be {' or '.join(map(str, moment_dtypes))} "
+                f"with the parameter's numel, got {t.dtype} x {t.numel()}"
+            )
     if pc.exp_avg.dtype != pc.exp_avg_sq.dtype:
         raise TypeError(f"fused AdamW: the moments of {pc.param!r} must share a dtype")
     for name, t in (("parameter", pc.p), ("exp_avg", pc.exp_avg), ("exp_avg_sq", pc.exp_avg_sq), ("out", pc.out)):
@@ -242,5 +268,3 @@ def _validate(pc: AdamWPiece) -> None:
             raise TypeError(f"fused AdamW: {name} of {pc.param!r} must be contiguous and on {pc.p.device}")
     if not isinstance(pc.offset, int) or isinstance(pc.offset, bool) or pc.offset < 0:
         raise ValueError(f"fused AdamW: offset of {pc.param!r} must be a non-negative int, got {pc.offset!r}")
-
-

@@ -115,8 +115,10 @@ def check_key_state(saved, *, seed: int, mode: str) -> None:
     re-derived working weights would differ from the ones that were trained."""
     for field, mine in (("seed", seed), ("mode", mode)):
         if saved[field] != mine:
-            raise ValueError(f"checkpoint was written with {field}={saved[field]!r} but this run has {field}={mine!r}; "
-                             f"use {field}={saved[field]!r} to resume it")
+            raise ValueError(
+                f"checkpoint was written with {field}={saved[field]!r} but this run has {field}={mine!r}; "
+                f"use {field}={saved[field]!r} to resume it"
+            )
 
 
 def check_mode(mode: str) -> str:
@@ -126,6 +128,7 @@ def check_mode(mode: str) -> str:
 
 
 # --- Plain-Python definition of the bits, for documentation and as a test oracle. -------------
+
 
 def splitmix64_mix(z: int) -> int:
     z &= MASK64

@@ -51,6 +51,8 @@ def owner_of(name: str) -> KeyOwner | None:
     name = normalize_param_name(name)
     found = [o for o in owners() if o.rounds(name) is not None]
     if len(found) > 1:
-        raise RuntimeError(f"{len(found)} SR models in this process round {name!r}: pass key= (the SRContext from "
-                           "dist_sr.engines.fsdp2.prepare, or engine.dist_sr for DeepSpeed) to say which")
+        raise RuntimeError(
+            f"{len(found)} SR models in this process round {name!r}: pass key= (the SRContext from "
+            "dist_sr.engines.fsdp2.prepare, or engine.dist_sr for DeepSpeed) to say which"
+        )
     return found[0] if found else None

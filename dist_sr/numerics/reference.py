@@ -30,8 +30,9 @@ def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
     return (z >> ((index & 3) * 16)) & 0xFFFF
 
 
-def round_into(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
-               rows: tuple[int, int] | None = None) -> None:
+def round_into(
+    x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int, rows: tuple[int, int] | None = None
+) -> None:
     """Write the rounding of flat FP32 ``x`` into flat BF16 ``out`` (both contiguous, same numel).
 
     ``key=None`` is round-to-nearest-even; otherwise the element at position ``j`` uses the random
@@ -41,7 +42,7 @@ def round_into(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
     out_bits = out.view(torch.int16)
     x_bits = x.view(torch.int32)
     for start in range(0, x.numel(), _CHUNK):
-        xb = x_bits[start:start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
+        xb = x_bits[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
         if key is None:
             r = 0x7FFF + ((xb >> 16) & 1)
         else:
@@ -54,12 +55,22 @@ def round_into(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
         is_nan = ((xb & 0x7F800000) == 0x7F800000) & ((xb & 0x007FFFFF) != 0)
         y = torch.where(is_nan, torch.full_like(y, 0x7FC0), y)
         y = y - ((y >> 15) & 1) * 0x10000  # to the int16 range, so the cast is exact
-        out_bits[start:start + xb.numel()] = y.to(torch.int16)
+        out_bits[start : start + xb.numel()] = y.to(torch.int16)
 
 
-def adamw_step(p, exp_avg, exp_avg_sq, grad, out, key: int | None, offset: int, h: AdamWHyper,
-                     moment_keys: tuple[int, int] | None = None, rows: tuple[int, int] | None = None,
-                     grad_scale: torch.Tensor | None = None) -> None:
+def adamw_step(
+    p,
+    exp_avg,
+    exp_avg_sq,
+    grad,
+    out,
+    key: int | None,
+    offset: int,
+    h: AdamWHyper,
+    moment_keys: tuple[int, int] | None = None,
+    rows: tuple[int, int] | None = None,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """Pure-torch fused step (any device, either flavour); updates in place, rounds into ``out``
     (or into ``p`` when ``out`` is None). ``moment_keys``: keys of BF16 moments (None: nearest);
     ``grad_scale``: an FP32 tensor multiplying the gradient (overrides ``h.grad_scale``)."""

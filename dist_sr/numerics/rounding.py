@@ -75,8 +75,11 @@ def stochastic_round(
             chosen.round_one(src.view(-1), out.view(-1), key, offset, None)
         return out
     if out is not None and isinstance(x, torch.Tensor) and overlaps(x, out):  # round first, then write
-        return out.copy_(stochastic_round(x, seed=seed, step=step, param=param, offset=offset, mode=mode,
-                                          backend=backend, row_stride=row_stride))
+        return out.copy_(
+            stochastic_round(
+                x, seed=seed, step=step, param=param, offset=offset, mode=mode, backend=backend, row_stride=row_stride
+            )
+        )
     job = RoundingJob(param, x, _out_for(x, out), offset, row_stride)
     _validate(job)
     if x.numel() == 0:
@@ -168,10 +171,15 @@ class RoundingBatch:
         """Round with the keys of step ``device_step.counter + 1``, derived on the device (CUDA,
         Triton backend, contiguous pieces): a step captured in a CUDA graph replays with the keys
         of the step it replays."""
-        if (not all(backends.get(n).device_keys for n in self._by_backend) or any(r is not None for r in self.rows)
-                or self._copy_back):
-            raise ValueError("rounding with keys derived on the device needs contiguous pieces on a backend that "
-                             f"derives keys on the device (Triton, CUDA); got {sorted(self._by_backend)}")
+        if (
+            not all(backends.get(n).device_keys for n in self._by_backend)
+            or any(r is not None for r in self.rows)
+            or self._copy_back
+        ):
+            raise ValueError(
+                "rounding with keys derived on the device needs contiguous pieces on a backend that "
+                f"derives keys on the device (Triton, CUDA); got {sorted(self._by_backend)}"
+            )
         if self._addresses() != self._seen:
             self._prepare()
         for name, idx in self._by_backend.items():
@@ -198,16 +206,26 @@ def _plain(x, out: torch.Tensor | None, offset) -> bool:
     ``x`` at a valid offset, and ``out`` absent or a contiguous BF16 tensor of its shape, on its
     device, sharing no bytes with it. Anything else takes the general path, which checks and
     explains (the bits are the same either way)."""
-    if not (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and x.is_contiguous()
-            and type(offset) is int and offset >= 0):
+    if not (
+        isinstance(x, torch.Tensor)
+        and x.dtype is torch.float32
+        and x.is_contiguous()
+        and type(offset) is int
+        and offset >= 0
+    ):
         return False
     n = x.numel()
     if n == 0 or offset + n > 1 << 62:
         return False
     if out is None:
         return True
-    if not (isinstance(out, torch.Tensor) and out.dtype is torch.bfloat16 and out.is_contiguous()
-            and out.shape == x.shape and out.device == x.device):
+    if not (
+        isinstance(out, torch.Tensor)
+        and out.dtype is torch.bfloat16
+        and out.is_contiguous()
+        and out.shape == x.shape
+        and out.device == x.device
+    ):
         return False
     xp, op = x.data_ptr(), out.data_ptr()
     return xp + 4 * n <= op or op + 2 * n <= xp  # disjoint bytes (contiguous spans)
@@ -241,11 +259,15 @@ def _validate(job: RoundingJob) -> None:
     if job.row_stride is not None:
         row_len = x.shape[-1] if x.dim() else 1
         if not isinstance(job.row_stride, int) or job.row_stride < row_len:
-            raise ValueError(f"row_stride for {job.param!r} must be an int >= the row length {row_len}, got {job.row_stride!r}")
+            raise ValueError(
+                f"row_stride for {job.param!r} must be an int >= the row length {row_len}, got {job.row_stride!r}"
+            )
     if not isinstance(job.offset, int) or isinstance(job.offset, bool) or job.offset < 0:
         raise ValueError(f"offset for {job.param!r} must be a non-negative int, got {job.offset!r}")
     if overlaps(x, out):
-        raise ValueError(f"out for {job.param!r} overlaps its input x in memory; give it a separate tensor "
-                         "(stochastic_round handles an overlapping out by rounding first)")
+        raise ValueError(
+            f"out for {job.param!r} overlaps its input x in memory; give it a separate tensor "
+            "(stochastic_round handles an overlapping out by rounding first)"
+        )
     if job.offset + x.numel() > 1 << 62:
         raise ValueError(f"offset {job.offset} + numel {x.numel()} for {job.param!r} exceeds 2^62 elements")

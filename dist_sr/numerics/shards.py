@@ -12,7 +12,7 @@ import torch
 
 def chunking(shape: tuple[int, ...], dim: int, world: int) -> tuple[int, int]:
     """``(rows per shard along dim, elements per row of dim)`` for ``world`` shards of ``shape``."""
-    return math.ceil(shape[dim] / world) if shape[dim] else 0, math.prod(shape[dim + 1:])
+    return math.ceil(shape[dim] / world) if shape[dim] else 0, math.prod(shape[dim + 1 :])
 
 
 def split_range(numel: int, parts: int, index: int) -> tuple[int, int]:
@@ -33,7 +33,7 @@ def shard_layout(orig_size: tuple[int, ...], local_shape: tuple[int, ...], world
     dims = [d for d, (a, b) in enumerate(zip(orig_size, local_shape)) if a != b]
     dim = dims[0] if dims else 0
     chunk, inner = chunking(orig_size, dim, world)
-    padded = orig_size[:dim] + (chunk,) + orig_size[dim + 1:]
+    padded = orig_size[:dim] + (chunk,) + orig_size[dim + 1 :]
     if dim == 0:
         return rank * chunk * inner, None, padded
     # a column block: local element (r, c) of the [prod(orig[:dim]), chunk*inner] view
@@ -71,8 +71,10 @@ def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | N
     if not shards:
         return local, 0, None
     if len(shards) > 1 or not isinstance(shards[0][1], Shard):
-        raise NotImplementedError(f"keyed rounding of a DTensor with placements {p.placements}: one Shard "
-                                  "(any number of Replicate) is supported")
+        raise NotImplementedError(
+            f"keyed rounding of a DTensor with placements {p.placements}: one Shard "
+            "(any number of Replicate) is supported"
+        )
     mesh_dim, placement = shards[0]
     world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
     dim, shape = placement.dim, tuple(p.shape)

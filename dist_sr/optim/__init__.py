@@ -7,5 +7,14 @@ from .params import named_param_groups
 from .registry import OPTIMIZERS, optimizer_class, register_optimizer
 from .shadow import ShadowAdamW, ShadowOptimizer
 
-__all__ = ["OPTIMIZERS", "AdamWSR", "DynamicLossScaler", "ShadowAdamW", "ShadowOptimizer", "StickingMeter",
-           "named_param_groups", "optimizer_class", "register_optimizer"]
+__all__ = [
+    "OPTIMIZERS",
+    "AdamWSR",
+    "DynamicLossScaler",
+    "ShadowAdamW",
+    "ShadowOptimizer",
+    "StickingMeter",
+    "named_param_groups",
+    "optimizer_class",
+    "register_optimizer",
+]

@@ -65,12 +65,17 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
         self._sharded = any(is_dtensor(p) for group in self.param_groups for p in group["params"])
         if capturable:
             devices = {p.device for group in self.param_groups for p in group["params"]}
-            if (self._sharded or len(devices) != 1 or mode == "nearest"
-                    or not backends.choose(backend, "capturable", next(iter(devices))).device_keys):
-                raise ValueError("AdamWSR(capturable=True) needs plain (unsharded) parameters on one CUDA device with "
-                                 "the Triton backend (keys derived on the device) and a keyed mode")
+            if (
+                self._sharded
+                or len(devices) != 1
+                or mode == "nearest"
+                or not backends.choose(backend, "capturable", next(iter(devices))).device_keys
+            ):
+                raise ValueError(
+                    "AdamWSR(capturable=True) needs plain (unsharded) parameters on one CUDA device with "
+                    "the Triton backend (keys derived on the device) and a keyed mode"
+                )
             self._counter = StepCounter(0, next(iter(devices)))
-
 
     @property
     def _fused_groups(self) -> list[dict]:
@@ -98,8 +103,9 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
         step and again whenever a parameter or a moment tensor was replaced (a loaded state)."""
         if self._plan is not None:  # the usual step: the same parameters, moments and storage (C-level passes)
             states = self._states
-            same = (all(map(is_, map(_EXP_AVG, states), self._plan_exp_avgs))
-                    and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_exp_avg_sqs)))
+            same = all(map(is_, map(_EXP_AVG, states), self._plan_exp_avgs)) and all(
+                map(is_, map(_EXP_AVG_SQ, states), self._plan_exp_avg_sqs)
+            )
             if same and (self._sharded or list(map(torch.Tensor.data_ptr, self._tensors)) == self._plan_addresses):
                 return self._plan
         self._params = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]]
@@ -117,15 +123,19 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
         self._plan_addresses = [] if self._sharded else [p.data_ptr() for _, p in self._params]
         if self._counter.capturable:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
-                                   "(the first step builds the fused plan and the moments)")
+                raise RuntimeError(
+                    "AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
+                    "(the first step builds the fused plan and the moments)"
+                )
             if self._plan is not None:  # a tensor was replaced: the host steps did not follow the device's
                 for _, p in self._params:
                     self.state[p]["step"] = self.step_count
             steps = {self.state[p]["step"] for _, p in self._params}
             if steps - {self.step_count}:
-                raise ValueError(f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
-                                 f"{sorted(steps)} differ from the key's step {self.step_count}")
+                raise ValueError(
+                    f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
+                    f"{sorted(steps)} differ from the key's step {self.step_count}"
+                )
         self._adam_steps = np.asarray([int(st["step"]) for st in self._states], dtype=np.int64)
         pieces = []
         names = {id(p): n for group in self.param_groups for n, p in zip(group["param_names"], group["params"])}

@@ -12,8 +12,9 @@ from ..numerics.adamw import AdamWHyper, distinct_rows
 from ..numerics.fused import live_pieces
 
 
-def hyper_slots(groups: list[dict], group_of: np.ndarray, steps: np.ndarray,
-                live: np.ndarray | None) -> tuple[np.ndarray, list[AdamWHyper]]:
+def hyper_slots(
+    groups: list[dict], group_of: np.ndarray, steps: np.ndarray, live: np.ndarray | None
+) -> tuple[np.ndarray, list[AdamWHyper]]:
     """The distinct AdamW settings of one step, one per (param group, Adam step) in use, and each
     piece's row among them (0 for a piece without a gradient). ``live``: the stepping pieces'
     indices, None for all. Array work: the host cost barely grows with the number of pieces."""
@@ -55,17 +56,28 @@ class FusedAdamWSteps:
         if self._counter.capturable:
             if live is not None:
                 missing = [plan.names[i] for i, g in enumerate(grads) if g is None]
-                raise ValueError(f"{type(self).__name__}(capturable=True) steps every parameter; no gradient for "
-                                 f"{missing[:3]}")
+                raise ValueError(
+                    f"{type(self).__name__}(capturable=True) steps every parameter; no gradient for {missing[:3]}"
+                )
             hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in groups]
-            plan.step_(grads, hypers, self._group_of, seed=self.seed, step=0, mode=self.mode, grad_scale=scale,
-                       device_step=self._counter.device_step(self.seed, self.mode), live=live)
+            plan.step_(
+                grads,
+                hypers,
+                self._group_of,
+                seed=self.seed,
+                step=0,
+                mode=self.mode,
+                grad_scale=scale,
+                device_step=self._counter.device_step(self.seed, self.mode),
+                live=live,
+            )
             self._counter.advance()
         else:
             self.step_count += 1
             slots, hypers = hyper_slots(groups, self._group_of, self._advance_adam_steps(live), live)
-            plan.step_(grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode,
-                       grad_scale=scale, live=live)
+            plan.step_(
+                grads, hypers, slots, seed=self.seed, step=self.step_count, mode=self.mode, grad_scale=scale, live=live
+            )
         self._after_step(live)
         return loss
 

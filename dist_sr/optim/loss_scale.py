@@ -11,8 +11,9 @@ class DynamicLossScaler:
     """Multiplies the loss by ``scale``; halves it (and skips the step) on an inf/NaN gradient,
     doubles it after ``growth_interval`` clean steps. ``dynamic=False`` keeps a static scale."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000, dynamic: bool = True,
-                 min_scale: float = 1.0):
+    def __init__(
+        self, init_scale: float = 2.0**16, growth_interval: int = 1000, dynamic: bool = True, min_scale: float = 1.0
+    ):
         if init_scale <= 0 or growth_interval < 1:
             raise ValueError("loss scale must be > 0 and growth_interval >= 1")
         self.scale = float(init_scale)

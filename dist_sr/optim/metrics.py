@@ -21,8 +21,7 @@ class StickingMeter:
     Memory: a copy of the working weights (their dtype) and, with shadows, two of the shadows (FP32).
     """
 
-    def __init__(self, named_working: list[tuple[str, torch.Tensor]],
-                 shadows: list[torch.Tensor] | None = None):
+    def __init__(self, named_working: list[tuple[str, torch.Tensor]], shadows: list[torch.Tensor] | None = None):
         self.names = [n for n, _ in named_working]
         self.working = [w for _, w in named_working]
         self.shadows = shadows
@@ -69,8 +68,11 @@ class StickingMeter:
             changed += int((prev.view(-1) != w.detach().view(-1)).sum())  # NaN != NaN counts as changed
             total += w.numel()
             prev.copy_(w)
-        metrics: dict[str, float | None] = {"changed_frac": changed / max(total, 1), "unfollowed_frac": None,
-                                            "dead_zone_frac": small / moved if moved else None}
+        metrics: dict[str, float | None] = {
+            "changed_frac": changed / max(total, 1),
+            "unfollowed_frac": None,
+            "dead_zone_frac": small / moved if moved else None,
+        }
         if self.shadows is not None:
             dot = norm2 = 0.0
             for w0, s0, w, s in zip(self._w0, self._s0, self.working, self.shadows):

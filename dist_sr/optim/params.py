@@ -32,8 +32,12 @@ def named_param_groups(params: ParamsLike) -> list[dict[str, Any]]:
         pairs = list(group["params"])
         names, tensors = [], []
         for item in pairs:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
+            if not (
+                isinstance(item, tuple)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)
+            ):
                 raise TypeError(
                     "parameters must be given with their names, e.g. model.named_parameters() or "
                     f"[('layer.weight', p)], got {type(item).__name__}: the name is the rounding key"
@@ -44,8 +48,10 @@ def named_param_groups(params: ParamsLike) -> list[dict[str, Any]]:
             seen.add(id(tensor))
             key = normalize_param_name(name)  # refuses empty or malformed names
             if key in keys:
-                raise ValueError(f"parameters {keys[key]!r} and {name!r} normalise to the same key {key!r}: they would "
-                                 "get identical random bits; give each parameter its own state-dict name")
+                raise ValueError(
+                    f"parameters {keys[key]!r} and {name!r} normalise to the same key {key!r}: they would "
+                    "get identical random bits; give each parameter its own state-dict name"
+                )
             keys[key] = name
             names.append(name)
             tensors.append(tensor)

@@ -68,8 +68,10 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
         self._counter = StepCounter()
         self.loss_scaler = loss_scaler
         if skip_nonfinite and capturable:
-            raise ValueError("skip_nonfinite needs a host decision per step, which a captured CUDA graph cannot make; "
-                             "use capturable=False, or check the gradients before replaying")
+            raise ValueError(
+                "skip_nonfinite needs a host decision per step, which a captured CUDA graph cannot make; "
+                "use capturable=False, or check the gradients before replaying"
+            )
         self.skip_nonfinite = (not capturable) if skip_nonfinite is None else skip_nonfinite
         self.skipped_steps = 0  # steps skipped for non-finite gradients without a loss scaler
         self._norm: torch.Tensor | None = None
@@ -82,8 +84,9 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
                 shadow = self._make_shadow(name, p, working_dtype)
                 self._pairs.append((name, p, shadow))
                 named_shadows.append((name, shadow))
-            inner_groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
-                                 "params": named_shadows})
+            inner_groups.append(
+                {**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": named_shadows}
+            )
         self._check_names_unique()
         self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
         self._constructed = False
@@ -97,15 +100,18 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
             self._make_capturable()
         self.write_working()
 
-
     def _make_capturable(self) -> None:
         devices = {p.device for _, p, _ in self._pairs}
         if len(devices) != 1 or not backends.choose(self.backend, "capturable", next(iter(devices))).device_keys:
-            raise ValueError(f"capturable needs every parameter on one CUDA device with the Triton backend (keys "
-                             f"derived on the device), got {sorted(map(str, devices))} and backend {self.backend!r}")
+            raise ValueError(
+                f"capturable needs every parameter on one CUDA device with the Triton backend (keys "
+                f"derived on the device), got {sorted(map(str, devices))} and backend {self.backend!r}"
+            )
         if any(p.dtype != torch.bfloat16 for _, p, _ in self._pairs) or self.loss_scaler is not None:
-            raise ValueError("capturable needs BF16 working weights and no loss scaler (an FP16 step that may be "
-                             "skipped cannot replay from a CUDA graph)")
+            raise ValueError(
+                "capturable needs BF16 working weights and no loss scaler (an FP16 step that may be "
+                "skipped cannot replay from a CUDA graph)"
+            )
         if self.mode == "nearest":
             raise ValueError("capturable is for keyed modes; round-to-nearest needs no keys (use capturable=False)")
         self._counter = StepCounter(self._counter.value, next(iter(devices)))
@@ -239,8 +245,9 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
     def _working_batch(self) -> RoundingBatch:
         if self._batch is None:
             with torch.no_grad():
-                self._batch = RoundingBatch([RoundingJob(n, s, p) for n, p, s in self._pairs
-                                             if p.dtype == torch.bfloat16], backend=self.backend)
+                self._batch = RoundingBatch(
+                    [RoundingJob(n, s, p) for n, p, s in self._pairs if p.dtype == torch.bfloat16], backend=self.backend
+                )
         return self._batch
 
     def derived_working(self) -> list[tuple[str, torch.Tensor]]:
@@ -250,8 +257,9 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
         with torch.no_grad():
             for n, p, s in self._pairs:
                 if p.dtype == torch.bfloat16:
-                    w = stochastic_round(s, seed=self.seed, step=self.step_count, param=n, mode=self.mode,
-                                         backend=self.backend)
+                    w = stochastic_round(
+                        s, seed=self.seed, step=self.step_count, param=n, mode=self.mode, backend=self.backend
+                    )
                 else:
                     w = s.to(p.dtype)
                 out.append((n, w))
@@ -285,17 +293,23 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore shadows and optimizer state, then re-derive the working weights bit-identically."""
         if state_dict.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a ShadowOptimizer state (format {state_dict.get('format')!r}, expected {STATE_FORMAT!r})")
+            raise ValueError(
+                f"not a ShadowOptimizer state (format {state_dict.get('format')!r}, expected {STATE_FORMAT!r})"
+            )
         check_key_state(state_dict, seed=self.seed, mode=self.mode)
         shadows = state_dict["shadows"]
         ours = {normalize_param_name(n): s for n, _, s in self._pairs}
         if set(shadows) != set(ours):
             missing, extra = sorted(set(ours) - set(shadows)), sorted(set(shadows) - set(ours))
-            raise ValueError(f"checkpoint shadows do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise ValueError(
+                f"checkpoint shadows do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         for name, s in ours.items():
             src = shadows[name]
             if src.shape != s.shape or src.dtype != torch.float32:
-                raise ValueError(f"checkpoint shadow {name!r} is {src.dtype}{tuple(src.shape)}, expected float32{tuple(s.shape)}")
+                raise ValueError(
+                    f"checkpoint shadow {name!r} is {src.dtype}{tuple(src.shape)}, expected float32{tuple(s.shape)}"
+                )
             s.copy_(src)
         self.inner.load_state_dict(state_dict["inner"])
         self.param_groups = self.inner.param_groups
@@ -321,14 +335,37 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
     step never waits for the GPU.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, seed: int = 0, mode: str = "stochastic", working_dtype=None, backend: str = "auto",
-                 capturable: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        seed: int = 0,
+        mode: str = "stochastic",
+        working_dtype=None,
+        backend: str = "auto",
+        capturable: bool = False,
+    ):
         # the fused pass makes no host decision per step: non-finite gradients are the caller's to
         # check (the trainer skips on the norm clip_grad_norm_ returns)
-        super().__init__(params, torch.optim.AdamW, seed=seed, mode=mode, working_dtype=working_dtype,
-                         backend=backend, capturable=capturable, skip_nonfinite=False, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, foreach=False)
+        super().__init__(
+            params,
+            torch.optim.AdamW,
+            seed=seed,
+            mode=mode,
+            working_dtype=working_dtype,
+            backend=backend,
+            capturable=capturable,
+            skip_nonfinite=False,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            foreach=False,
+        )
         for name, p, _ in self._pairs:
             if p.dtype != torch.bfloat16:
                 raise TypeError(f"ShadowAdamW needs BF16 working weights; {name!r} is {p.dtype} (use ShadowOptimizer)")
@@ -361,23 +398,32 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
         capturable = self._counter.capturable
         if self._plan is not None:  # the usual step: same moments, same working storage (C-level passes)
             states = list(map(state.get, self._shadows))
-            same = (all(map(is_, states, self._plan_states))
-                    and all(map(is_, map(_EXP_AVG, states), self._plan_moments[0]))
-                    and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_moments[1]))
-                    and all(map(is_, map(_STEP, states), self._plan_moments[2])))
+            same = (
+                all(map(is_, states, self._plan_states))
+                and all(map(is_, map(_EXP_AVG, states), self._plan_moments[0]))
+                and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_moments[1]))
+                and all(map(is_, map(_STEP, states), self._plan_moments[2]))
+            )
             if not same or list(map(torch.Tensor.data_ptr, self._workings)) != self._plan_addresses:
                 self._plan = None
         if self._plan is None:
             if capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("ShadowAdamW(capturable=True): run one step before capturing it in a CUDA graph "
-                                   "(the first step builds the fused plan and the optimizer state)")
+                raise RuntimeError(
+                    "ShadowAdamW(capturable=True): run one step before capturing it in a CUDA graph "
+                    "(the first step builds the fused plan and the optimizer state)"
+                )
             for _, _, s in self._pairs:
                 if not state.get(s):  # torch.optim.AdamW's layout, so checkpoints interchange
                     step = torch.zeros((), dtype=torch.float32, device=s.device if capturable else "cpu")
-                    state[s] = {"step": step, "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
-                                "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format)}
-            self._plan = AdamWPlan([AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data)
-                                    for n, p, s in self._pairs], backend=self.backend)
+                    state[s] = {
+                        "step": step,
+                        "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format),
+                    }
+            self._plan = AdamWPlan(
+                [AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data) for n, p, s in self._pairs],
+                backend=self.backend,
+            )
             self._plan_addresses = [p.data_ptr() for _, p, _ in self._pairs]
             self._adam_steps = np.asarray([int(state[s]["step"]) for _, _, s in self._pairs], dtype=np.int64)
             if not capturable:
@@ -389,8 +435,10 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                     state[s]["step"] = self._step_buffer[i]
             if capturable:
                 if set(self._adam_steps) - {self.step_count}:
-                    raise ValueError("ShadowAdamW(capturable=True) steps every parameter together: the loaded Adam "
-                                     f"steps {sorted(set(self._adam_steps))} differ from the key's step {self.step_count}")
+                    raise ValueError(
+                        "ShadowAdamW(capturable=True) steps every parameter together: the loaded Adam "
+                        f"steps {sorted(set(self._adam_steps))} differ from the key's step {self.step_count}"
+                    )
                 for _, _, s in self._pairs:  # capturable: Adam's step lives beside the state, on the device
                     state[s]["step"] = state[s]["step"].to(s.device)
                 self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
@@ -401,8 +449,10 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         inner = sd["inner"]  # each step tensor its own, as torch.optim.AdamW keeps them (here views of one buffer)
-        inner["state"] = {k: {**st, "step": st["step"].clone()} if isinstance(st.get("step"), torch.Tensor) else st
-                          for k, st in inner["state"].items()}
+        inner["state"] = {
+            k: {**st, "step": st["step"].clone()} if isinstance(st.get("step"), torch.Tensor) else st
+            for k, st in inner["state"].items()
+        }
         return sd
 
     @property

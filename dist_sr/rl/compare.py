@@ -31,7 +31,7 @@ class RunSpec:
     precision: str = "bf16-sr"
     lr_scale: float = 1.0
     shadow_jitter: bool = False
-    seeds: list[int] | None = None   # this run's RL seeds (None: the comparison's); fewer for a slow run
+    seeds: list[int] | None = None  # this run's RL seeds (None: the comparison's); fewer for a slow run
 
 
 def _default_runs() -> list[RunSpec]:
@@ -45,8 +45,11 @@ def _default_runs() -> list[RunSpec]:
 
 
 def _int_list(values, what: str) -> None:
-    if not values or not isinstance(values, list) or \
-            not all(isinstance(s, int) and not isinstance(s, bool) for s in values):
+    if (
+        not values
+        or not isinstance(values, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in values)
+    ):
         raise ConfigError(f"{what} must be a non-empty list of ints, got {values!r}")
     if len(set(values)) != len(values):
         raise ConfigError(f"{what} has duplicates: {values!r}")
@@ -55,22 +58,23 @@ def _int_list(values, what: str) -> None:
 @dataclass
 class CompareConfig:
     experiment: dict[str, Any] = field(default_factory=dict)  # overrides of the experiment defaults
-    experiment_file: str | None = None                          # or a YAML file (relative to this one)
+    experiment_file: str | None = None  # or a YAML file (relative to this one)
     start_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # warm-up seeds: one start checkpoint each
-    seeds: list[int] = field(default_factory=lambda: [0, 1])   # RL seeds, each from every start checkpoint
-    lrs: list[float] = field(default_factory=list)             # a sweep: every run at each lr (x its lr_scale)
+    seeds: list[int] = field(default_factory=lambda: [0, 1])  # RL seeds, each from every start checkpoint
+    lrs: list[float] = field(default_factory=list)  # a sweep: every run at each lr (x its lr_scale)
     runs: list[RunSpec] = field(default_factory=_default_runs)
     parallel: int = 2
-    threshold: float = 0.05          # accuracy gain for "steps to threshold" and matched-accuracy KL
+    threshold: float = 0.05  # accuracy gain for "steps to threshold" and matched-accuracy KL
     report_steps: list[int] = field(default_factory=lambda: [100, 200, 300])
-    reference: str = "bf16-sr"       # the run others are compared with in the goal checks
+    reference: str = "bf16-sr"  # the run others are compared with in the goal checks
     output_dir: str = "runs/compare"
 
     def __post_init__(self):
         _int_list(self.seeds, "seeds")
         _int_list(self.start_seeds, "start_seeds")
-        if not isinstance(self.lrs, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                     and v > 0 for v in self.lrs):
+        if not isinstance(self.lrs, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.lrs
+        ):
             raise ConfigError(f"lrs must be a list of positive learning rates (empty: no sweep), got {self.lrs!r}")
         if len(set(self.lrs)) != len(self.lrs):
             raise ConfigError(f"lrs has duplicates: {self.lrs!r}")
@@ -134,9 +138,11 @@ def load_compare(source: str | Path | None = None, overrides: dict | None = None
     for cell in cells(cfg):  # validate every run's experiment now, not after an hour of training
         exp = run_config(cfg, cell, cfg.start_seeds[0], cfg.seeds[0])
     if len(cfg.start_seeds) > 1 and (exp.model.path is not None or not exp.warmup.enabled):
-        raise ConfigError(f"start_seeds={cfg.start_seeds}: start checkpoints differ by their warm-up seed, but this "
-                          "experiment has no warm-up (model.path is set or warmup.enabled is false); set "
-                          "start_seeds: [0] and vary seeds instead")
+        raise ConfigError(
+            f"start_seeds={cfg.start_seeds}: start checkpoints differ by their warm-up seed, but this "
+            "experiment has no warm-up (model.path is set or warmup.enabled is false); set "
+            "start_seeds: [0] and vary seeds instead"
+        )
     return cfg
 
 
@@ -157,15 +163,18 @@ def run_config(cfg: CompareConfig, cell: Cell, start: int, seed: int) -> Experim
     data = load_document(Path(cfg.experiment_file)) if cfg.experiment_file else {}
     data = _deep_merge(data, cfg.experiment)
     base_lr = cell.lr if cell.lr is not None else load_experiment(data).grpo.lr
-    return load_experiment(data, {
-        "precision": cell.spec.precision,
-        "grpo.lr": base_lr * cell.spec.lr_scale,
-        "shadow_jitter": cell.spec.shadow_jitter,
-        "seed": seed,
-        "warmup.seed": start,
-        "output_dir": str(run_dir(cfg, cell, start, seed)),
-        "threads": 1,
-    })
+    return load_experiment(
+        data,
+        {
+            "precision": cell.spec.precision,
+            "grpo.lr": base_lr * cell.spec.lr_scale,
+            "shadow_jitter": cell.spec.shadow_jitter,
+            "seed": seed,
+            "warmup.seed": start,
+            "output_dir": str(run_dir(cfg, cell, start, seed)),
+            "threads": 1,
+        },
+    )
 
 
 def _warm_one(cfg: ExperimentConfig) -> str:
@@ -201,8 +210,12 @@ def _finished(cfg: ExperimentConfig) -> bool:
 def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
     """Warm up every start checkpoint, train every run x start x seed (skipping finished ones),
     then write the report; returns report.md."""
-    jobs = [(cell, start, seed, run_config(cfg, cell, start, seed))
-            for cell in cells(cfg) for start in cfg.start_seeds for seed in run_seeds(cfg, cell)]
+    jobs = [
+        (cell, start, seed, run_config(cfg, cell, start, seed))
+        for cell in cells(cfg)
+        for start in cfg.start_seeds
+        for seed in run_seeds(cfg, cell)
+    ]
     todo = [j for j in jobs if not _finished(j[3])]
     todo.sort(key=lambda j: j[3].precision.precision != "fp16")  # slowest on a CPU first: shorter makespan
     if not todo:  # every run finished: the report only, no worker processes
@@ -213,8 +226,9 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
         first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
         # the start checkpoints not cached yet, before any run needs them
         warm = [pool.submit(_warm_one, exp) for exp in first.values() if not is_cached(exp)]
-        for fut in tqdm(cf.as_completed(warm), total=len(warm), desc="start checkpoints (warm-up)",
-                        disable=not progress):
+        for fut in tqdm(
+            cf.as_completed(warm), total=len(warm), desc="start checkpoints (warm-up)", disable=not progress
+        ):
             fut.result()
         bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="comparison runs", disable=not progress)
         futures = {pool.submit(_train_one, exp): (cell.label, start, seed) for cell, start, seed, exp in todo}
@@ -229,14 +243,18 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
 
 # --- report -------------------------------------------------------------------------------
 
+
 def _load(cfg: CompareConfig) -> dict[str, dict[int, list[list[dict]]]]:
     """label -> start seed -> the metrics rows of each seed's run."""
     from .trainer import read_metrics
 
-    return {cell.label: {start: [read_metrics(run_dir(cfg, cell, start, seed) / "metrics.jsonl")
-                                 for seed in run_seeds(cfg, cell)]
-                         for start in cfg.start_seeds}
-            for cell in cells(cfg)}
+    return {
+        cell.label: {
+            start: [read_metrics(run_dir(cfg, cell, start, seed) / "metrics.jsonl") for seed in run_seeds(cfg, cell)]
+            for start in cfg.start_seeds
+        }
+        for cell in cells(cfg)
+    }
 
 
 def _mean(xs):
@@ -284,10 +302,16 @@ def _summarize_runs(cfg: CompareConfig, starts: dict[int, list[list[dict]]]) -> 
         }
     hits = [_hit(a, steps, cfg.threshold) for a in every]
     mean_hit = _hit(mean_acc, steps, cfg.threshold)
-    train_rows = [[r for r in rows if r.get("reward") is not None and r.get("changed_frac") is not None]
-                  for seeds in starts.values() for rows in seeds]
-    dead = [[r["dead_zone_frac"] for r in rows if r.get("dead_zone_frac") is not None]
-            for seeds in starts.values() for rows in seeds]
+    train_rows = [
+        [r for r in rows if r.get("reward") is not None and r.get("changed_frac") is not None]
+        for seeds in starts.values()
+        for rows in seeds
+    ]
+    dead = [
+        [r["dead_zone_frac"] for r in rows if r.get("dead_zone_frac") is not None]
+        for seeds in starts.values()
+        for rows in seeds
+    ]
     final = _spread([[a[steps[-1]] for a in runs] for runs in accs.values()])
     return {
         "steps": steps,
@@ -335,33 +359,57 @@ def goal_checks(cfg: CompareConfig, summary: dict, lr: float | None = None) -> l
     def verdict(what: str, values: dict[int, float | None], ok, fmt) -> tuple[str, bool, str]:
         held = [w for w in starts if values[w] is not None and ok(values[w])]
         per = ", ".join(f"{w}: {fmt(values[w])}" for w in starts)
-        return (what + at, len(held) == len(starts),
-                f"holds at {len(held)}/{len(starts)} start checkpoints ({per})")
+        return (what + at, len(held) == len(starts), f"holds at {len(held)}/{len(starts)} start checkpoints ({per})")
 
     for other_name in ("fp16", "fp32"):
         other = summary.get(label(other_name, lr))
         if other and ref:
-            gaps = {w: max((abs(ref["per_start"][w]["accuracy_at"][s] - other["per_start"][w]["accuracy_at"][s])
-                            for s in ref["per_start"][w]["accuracy_at"]), default=None) for w in starts}
-            checks.append(verdict(f"{cfg.reference} accuracy within 0.02 of {other_name} at "
-                                  f"{list(ref['accuracy_at'])}", gaps, lambda g: g <= 0.02,
-                                  lambda g: "—" if g is None else f"largest gap {g:.3f}"))
+            gaps = {
+                w: max(
+                    (
+                        abs(ref["per_start"][w]["accuracy_at"][s] - other["per_start"][w]["accuracy_at"][s])
+                        for s in ref["per_start"][w]["accuracy_at"]
+                    ),
+                    default=None,
+                )
+                for w in starts
+            }
+            checks.append(
+                verdict(
+                    f"{cfg.reference} accuracy within 0.02 of {other_name} at {list(ref['accuracy_at'])}",
+                    gaps,
+                    lambda g: g <= 0.02,
+                    lambda g: "—" if g is None else f"largest gap {g:.3f}",
+                )
+            )
     if rtn and ref and ref["gain_at"]:
         first = min(ref["gain_at"])
         ratios = {}
         for w in starts:
             g_rtn, g_sr = rtn["per_start"][w]["gain_at"][first], ref["per_start"][w]["gain_at"][first]
             ratios[w] = g_rtn / g_sr if g_sr > 0 else None
-        checks.append(verdict(f"bf16 (RTN) gain at step {first} <= 0.6x {cfg.reference}'s", ratios,
-                              lambda r: r <= 0.6, lambda r: "SR gains nothing" if r is None else f"{r:.2f}x"))
+        checks.append(
+            verdict(
+                f"bf16 (RTN) gain at step {first} <= 0.6x {cfg.reference}'s",
+                ratios,
+                lambda r: r <= 0.6,
+                lambda r: "SR gains nothing" if r is None else f"{r:.2f}x",
+            )
+        )
         steps = {}
         for w in starts:
             h_rtn, h_sr = rtn["per_start"][w]["steps_to_threshold"], ref["per_start"][w]["steps_to_threshold"]
             steps[w] = None if not h_sr else (math.inf if h_rtn is None else h_rtn / h_sr)
-        checks.append(verdict(f"bf16 (RTN) needs >= 1.3x {cfg.reference}'s steps to gain +{cfg.threshold}", steps,
-                              lambda r: r >= 1.3,
-                              lambda r: "SR never reaches it" if r is None else
-                              ("RTN never reaches it" if r == math.inf else f"{r:.2f}x")))
+        checks.append(
+            verdict(
+                f"bf16 (RTN) needs >= 1.3x {cfg.reference}'s steps to gain +{cfg.threshold}",
+                steps,
+                lambda r: r >= 1.3,
+                lambda r: (
+                    "SR never reaches it" if r is None else ("RTN never reaches it" if r == math.inf else f"{r:.2f}x")
+                ),
+            )
+        )
     return checks
 
 
@@ -371,33 +419,54 @@ def _fmt(v, p=3):
 
 def _main_table(cfg: CompareConfig, summary: dict) -> list[str]:
     rs = cfg.report_steps
-    lines = ["| run | " + " | ".join(f"acc @{s}" for s in rs) + f" | steps to +{cfg.threshold} | "
-             f"KL @ +{cfg.threshold} | final KL | final reward | changed/step | dead zone |",
-             "|---|" + "---:|" * (len(rs) + 6)]
+    lines = [
+        "| run | " + " | ".join(f"acc @{s}" for s in rs) + f" | steps to +{cfg.threshold} | "
+        f"KL @ +{cfg.threshold} | final KL | final reward | changed/step | dead zone |",
+        "|---|" + "---:|" * (len(rs) + 6),
+    ]
     for cell in cells(cfg):
         s = summary[cell.label]
-        accs = [f"{s['accuracy_at'][k][0]:.3f} ± {s['accuracy_at'][k][1]:.3f} / {_fmt(s['accuracy_at'][k][2])}"
-                if k in s["accuracy_at"] else "—" for k in rs]
+        accs = [
+            f"{s['accuracy_at'][k][0]:.3f} ± {s['accuracy_at'][k][1]:.3f} / {_fmt(s['accuracy_at'][k][2])}"
+            if k in s["accuracy_at"]
+            else "—"
+            for k in rs
+        ]
         hits = s["steps_to_threshold"]
-        hit = f"{s['mean_steps_to_threshold']:.0f}" if s["mean_steps_to_threshold"] is not None else \
-            f"{sum(h is not None for h in hits)}/{len(hits)} runs reach it"
-        lines.append(f"| {cell.label} | " + " | ".join(accs) + f" | {hit} | {_fmt(s['kl_at_threshold'], 5)} | "
-                     f"{_fmt(s['final_kl'], 5)} | {_fmt(s['final_reward'])} | {_fmt(s['changed_frac'], 4)} | "
-                     f"{_fmt(s['dead_zone_frac'], 4)} |")
+        hit = (
+            f"{s['mean_steps_to_threshold']:.0f}"
+            if s["mean_steps_to_threshold"] is not None
+            else f"{sum(h is not None for h in hits)}/{len(hits)} runs reach it"
+        )
+        lines.append(
+            f"| {cell.label} | " + " | ".join(accs) + f" | {hit} | {_fmt(s['kl_at_threshold'], 5)} | "
+            f"{_fmt(s['final_kl'], 5)} | {_fmt(s['final_reward'])} | {_fmt(s['changed_frac'], 4)} | "
+            f"{_fmt(s['dead_zone_frac'], 4)} |"
+        )
     return lines
 
 
 def _per_start_table(cfg: CompareConfig, summary: dict) -> list[str]:
     rs = cfg.report_steps
-    lines = ["| start checkpoint | run | acc @0 | " + " | ".join(f"acc @{s}" for s in rs) +
-             f" | steps to +{cfg.threshold} |", "|---|---|" + "---:|" * (len(rs) + 2)]
+    lines = [
+        "| start checkpoint | run | acc @0 | "
+        + " | ".join(f"acc @{s}" for s in rs)
+        + f" | steps to +{cfg.threshold} |",
+        "|---|---|" + "---:|" * (len(rs) + 2),
+    ]
     for w in cfg.start_seeds:
         for cell in cells(cfg):
             ps = summary[cell.label]["per_start"][w]
-            hit = f"{ps['steps_to_threshold']:.0f}" if ps["steps_to_threshold"] is not None else \
-                f"{ps['reached']}/{len(run_seeds(cfg, cell))} seeds reach it"
-            lines.append(f"| {w} | {cell.label} | {ps['start_accuracy']:.3f} | " +
-                         " | ".join(_fmt(ps["accuracy_at"].get(s)) for s in rs) + f" | {hit} |")
+            hit = (
+                f"{ps['steps_to_threshold']:.0f}"
+                if ps["steps_to_threshold"] is not None
+                else f"{ps['reached']}/{len(run_seeds(cfg, cell))} seeds reach it"
+            )
+            lines.append(
+                f"| {w} | {cell.label} | {ps['start_accuracy']:.3f} | "
+                + " | ".join(_fmt(ps["accuracy_at"].get(s)) for s in rs)
+                + f" | {hit} |"
+            )
     return lines
 
 
@@ -406,9 +475,14 @@ def _sweep_table(cfg: CompareConfig, summary: dict) -> list[str]:
     RTN/SR ratios of gain and of steps to the threshold."""
     rs = [s for s in cfg.report_steps if s in summary[cells(cfg)[0].label]["accuracy_at"]]
     names = [spec.name for spec in cfg.runs]
-    lines = ["| lr | dead zone (bf16) | beyond it | " + " | ".join(f"{n} acc @{rs[-1]}" for n in names) + " | " +
-             " | ".join(f"RTN/SR gain @{s}" for s in rs) + f" | RTN/SR steps to +{cfg.threshold} |",
-             "|---:|---:|---:|" + "---:|" * (len(names) + len(rs) + 1)]
+    lines = [
+        "| lr | dead zone (bf16) | beyond it | "
+        + " | ".join(f"{n} acc @{rs[-1]}" for n in names)
+        + " | "
+        + " | ".join(f"RTN/SR gain @{s}" for s in rs)
+        + f" | RTN/SR steps to +{cfg.threshold} |",
+        "|---:|---:|---:|" + "---:|" * (len(names) + len(rs) + 1),
+    ]
     for lr in _lrs(cfg):
         rtn, ref = summary.get(label("bf16", lr)), summary[label(cfg.reference, lr)]
         gains = ["—" if r is None else f"{r:.2f}x" for r in (_gain_ratio(cfg, summary, lr, s) for s in rs)]
@@ -422,23 +496,38 @@ def _sweep_table(cfg: CompareConfig, summary: dict) -> list[str]:
             steps = f"{h_rtn / h_sr:.2f}x"
         dz = rtn["dead_zone_frac"] if rtn else None
         dead = f"{_fmt(dz, 4)} | {'—' if dz is None else f'{100 * (1 - dz):.2f}%'}"
-        lines.append(f"| {lr:g} | {dead} | " +
-                     " | ".join(_fmt(summary[label(n, lr)]["accuracy_at"][rs[-1]][0]) for n in names) + " | " +
-                     " | ".join(gains) + f" | {steps} |")
+        lines.append(
+            f"| {lr:g} | {dead} | "
+            + " | ".join(_fmt(summary[label(n, lr)]["accuracy_at"][rs[-1]][0]) for n in names)
+            + " | "
+            + " | ".join(gains)
+            + f" | {steps} |"
+        )
     return lines
 
 
 def write_report(cfg: CompareConfig) -> Path:
     out = Path(cfg.output_dir)
-    if not any((run_dir(cfg, cell, start, seed) / "metrics.jsonl").exists()
-               for cell in cells(cfg) for start in cfg.start_seeds for seed in run_seeds(cfg, cell)):
+    if not any(
+        (run_dir(cfg, cell, start, seed) / "metrics.jsonl").exists()
+        for cell in cells(cfg)
+        for start in cfg.start_seeds
+        for seed in run_seeds(cfg, cell)
+    ):
         raise ConfigError(f"no finished runs under {out} to report on; run 'dist-sr compare' without --report-only")
-    unfinished = [f"{cell.label}/start-{start}/seed-{seed}" for cell in cells(cfg) for start in cfg.start_seeds
-                  for seed in run_seeds(cfg, cell) if not _finished(run_config(cfg, cell, start, seed))]
+    unfinished = [
+        f"{cell.label}/start-{start}/seed-{seed}"
+        for cell in cells(cfg)
+        for start in cfg.start_seeds
+        for seed in run_seeds(cfg, cell)
+        if not _finished(run_config(cfg, cell, start, seed))
+    ]
     if unfinished:
-        raise ConfigError(f"{len(unfinished)} runs under {out} are not finished ({', '.join(unfinished[:3])}"
-                          f"{', ...' if len(unfinished) > 3 else ''}); run 'dist-sr compare' with this config to "
-                          "finish them (finished runs are reused), then report")
+        raise ConfigError(
+            f"{len(unfinished)} runs under {out} are not finished ({', '.join(unfinished[:3])}"
+            f"{', ...' if len(unfinished) > 3 else ''}); run 'dist-sr compare' with this config to "
+            "finish them (finished runs are reused), then report"
+        )
     summary = summarize(cfg)
     checks = [c for lr in _lrs(cfg) for c in goal_checks(cfg, summary, lr)]
     _plot(cfg, summary, out / "figure.png")
@@ -447,7 +536,8 @@ def write_report(cfg: CompareConfig) -> Path:
         "",
         f"Start checkpoints (warm-up seeds): {cfg.start_seeds}; RL seeds from each: {cfg.seeds}"
         + "".join(f" ({cell.label}: {cell.spec.seeds})" for cell in cells(cfg) if cell.spec.seeds is not None)
-        + (f"; learning rates: {[float(v) for v in cfg.lrs]}" if cfg.lrs else "") + ". "
+        + (f"; learning rates: {[float(v) for v in cfg.lrs]}" if cfg.lrs else "")
+        + ". "
         "Eval accuracy is sampled accuracy on fixed prompts with fixed sampling noise, shown as mean ± spread over "
         "start checkpoints / spread over seeds (std of the per-checkpoint means / mean std over seeds within a "
         f"checkpoint); KL is exact KL(policy || start checkpoint) at answer positions; 'steps to +{cfg.threshold}' "
@@ -463,8 +553,14 @@ def write_report(cfg: CompareConfig) -> Path:
     ]
     if cfg.lrs:
         _plot_sweep(cfg, summary, out / "sweep.png")
-        lines += ["", "## Learning-rate sweep", "", *_sweep_table(cfg, summary), "",
-                  "![RTN/SR gain ratio and dead-zone fraction vs learning rate](sweep.png)"]
+        lines += [
+            "",
+            "## Learning-rate sweep",
+            "",
+            *_sweep_table(cfg, summary),
+            "",
+            "![RTN/SR gain ratio and dead-zone fraction vs learning rate](sweep.png)",
+        ]
     lines += ["", "## Checks of the claims on this data (each must hold at every start checkpoint)", ""]
     lines += [f"- [{'x' if ok else ' '}] {what}: {detail}" for what, ok, detail in checks]
     lines += ["", "![accuracy, KL and changed fraction vs step; accuracy per start checkpoint](figure.png)", ""]
@@ -491,7 +587,7 @@ def _plot(cfg: CompareConfig, summary: dict, path: Path) -> None:
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             vals = [[c[s] for c in curves] for s in steps]
             means[key] = [_mean(v) for v in vals]
-            line, = ax.plot(steps, means[key], label=cell.label)
+            (line,) = ax.plot(steps, means[key], label=cell.label)
             ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
         top[2].plot(means["eval_accuracy"], means["eval_kl"], label=cell.label)
         rows = runs[0]
@@ -505,18 +601,26 @@ def _plot(cfg: CompareConfig, summary: dict, path: Path) -> None:
             ax.plot(steps, [_mean([c[s] for c in curves]) for s in steps], label=cell.label)
     for ax, w in zip(bottom, starts):
         ref = summary[label(cfg.reference, cells(cfg)[0].lr)]["per_start"][w]["start_accuracy"]
-        ax.set(title=f"start checkpoint {w} (warm-up seed {w}; {cfg.reference} acc @0 {ref:.3f})",
-               xlabel="GRPO step", ylabel="eval accuracy (mean over seeds)")
-    for ax in bottom[len(starts):3]:
+        ax.set(
+            title=f"start checkpoint {w} (warm-up seed {w}; {cfg.reference} acc @0 {ref:.3f})",
+            xlabel="GRPO step",
+            ylabel="eval accuracy (mean over seeds)",
+        )
+    for ax in bottom[len(starts) : 3]:
         ax.axis("off")
-    bottom[3].set(title="accuracy gain since step 0 (mean of every run)", xlabel="GRPO step",
-                  ylabel="eval accuracy - accuracy @0")
-    top[0].set(title="eval accuracy (band: min-max over start checkpoints and seeds)", xlabel="GRPO step",
-               ylabel="accuracy")
+    bottom[3].set(
+        title="accuracy gain since step 0 (mean of every run)", xlabel="GRPO step", ylabel="eval accuracy - accuracy @0"
+    )
+    top[0].set(
+        title="eval accuracy (band: min-max over start checkpoints and seeds)", xlabel="GRPO step", ylabel="accuracy"
+    )
     top[1].set(title="KL(policy || start) at answer positions", xlabel="GRPO step", ylabel="KL (nats/token)")
     top[2].set(title="KL vs accuracy (means): drift paid per gain", xlabel="eval accuracy", ylabel="KL (nats/token)")
-    top[3].set(title="working-weight elements changed per step (first run)", xlabel="GRPO step",
-               yscale="log" if any(y > 0 for ln in top[3].get_lines() for y in ln.get_ydata()) else "linear")
+    top[3].set(
+        title="working-weight elements changed per step (first run)",
+        xlabel="GRPO step",
+        yscale="log" if any(y > 0 for ln in top[3].get_lines() for y in ln.get_ydata()) else "linear",
+    )
     top[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -537,17 +641,24 @@ def _plot_sweep(cfg: CompareConfig, summary: dict, path: Path) -> None:
         ratios = [_gain_ratio(cfg, summary, lr, s) for lr in lrs]
         axes[0].plot(lrs, [float("nan") if r is None else r for r in ratios], marker="o", label=f"step {s}")
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set(xscale="log", xlim=(min(lrs) / 1.5, max(lrs) * 1.5),  # limits even if every ratio is undefined
-                title=f"accuracy gain of bf16 (RTN) / {cfg.reference}", xlabel="learning rate",
-                ylabel="gain ratio (1 = no lag)")
+    axes[0].set(
+        xscale="log",
+        xlim=(min(lrs) / 1.5, max(lrs) * 1.5),  # limits even if every ratio is undefined
+        title=f"accuracy gain of bf16 (RTN) / {cfg.reference}",
+        xlabel="learning rate",
+        ylabel="gain ratio (1 = no lag)",
+    )
     axes[0].set_xticks(lrs, [f"{v:g}" for v in lrs])
     axes[0].minorticks_off()
     axes[0].legend(fontsize=8)
     for i, lr in enumerate(lrs):
         color = f"C{i}"
         name = label("bf16", lr) if label("bf16", lr) in data else label(cfg.reference, lr)
-        curves = [[(r["step"], r["dead_zone_frac"]) for r in rows if r.get("dead_zone_frac") is not None]
-                  for seeds in data[name].values() for rows in seeds]
+        curves = [
+            [(r["step"], r["dead_zone_frac"]) for r in rows if r.get("dead_zone_frac") is not None]
+            for seeds in data[name].values()
+            for rows in seeds
+        ]
         if curves and all(curves):
             n = min(len(c) for c in curves)
             beyond = [1 - _mean([c[j][1] for c in curves]) for j in range(n)]
@@ -556,12 +667,18 @@ def _plot_sweep(cfg: CompareConfig, summary: dict, path: Path) -> None:
             if run in summary:
                 acc = summary[run]["mean_accuracy"]
                 axes[2].plot(list(acc), list(acc.values()), style, color=color, label=f"{run}")
-    axes[1].set(title="updates beyond the BF16 dead zone (1 - dead zone; bf16 run)", xlabel="GRPO step",
-                ylabel="share of non-zero updates >= half a BF16 spacing",
-                yscale="log" if axes[1].get_lines() else "linear")
+    axes[1].set(
+        title="updates beyond the BF16 dead zone (1 - dead zone; bf16 run)",
+        xlabel="GRPO step",
+        ylabel="share of non-zero updates >= half a BF16 spacing",
+        yscale="log" if axes[1].get_lines() else "linear",
+    )
     axes[1].legend(fontsize=8)
-    axes[2].set(title=f"eval accuracy: {cfg.reference} (solid) vs bf16 RTN (dashed)", xlabel="GRPO step",
-                ylabel="accuracy (mean)")
+    axes[2].set(
+        title=f"eval accuracy: {cfg.reference} (solid) vs bf16 RTN (dashed)",
+        xlabel="GRPO step",
+        ylabel="accuracy (mean)",
+    )
     axes[2].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -17,14 +17,27 @@ from ..precision import PrecisionConfig
 from ..rollout.config import RolloutConfig
 from .tasks import TASKS
 
-__all__ = ["ClusterConfig", "ConfigError", "DistributedConfig", "EvalConfig", "ExperimentConfig", "GRPOConfig",
-           "ModelConfig", "RolloutConfig", "TaskConfig", "WarmupConfig", "from_dict", "load_experiment", "to_dict"]
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "DistributedConfig",
+    "EvalConfig",
+    "ExperimentConfig",
+    "GRPOConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "TaskConfig",
+    "WarmupConfig",
+    "from_dict",
+    "load_experiment",
+    "to_dict",
+]
 
 
 @dataclass
 class ModelConfig:
-    path: str | None = None          # from_pretrained: local directory or hub id; None = tiny model
-    hidden_size: int = 64            # tiny Qwen2 built from a config when path is None
+    path: str | None = None  # from_pretrained: local directory or hub id; None = tiny model
+    hidden_size: int = 64  # tiny Qwen2 built from a config when path is None
     intermediate_size: int = 192
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -36,17 +49,19 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"model.hidden_size={self.hidden_size} must be a multiple of "
-                              f"model.num_attention_heads={self.num_attention_heads}")
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} must be a multiple of "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
         if self.initializer_range <= 0:
             raise ConfigError(f"model.initializer_range must be > 0, got {self.initializer_range}")
 
 
 @dataclass
 class TaskConfig:
-    name: str = "reverse"            # reverse | add | dataset
+    name: str = "reverse"  # reverse | add | dataset
     num_digits: int = 5
-    source: str | None = None        # dataset: file path (.jsonl/.json/.parquet/.csv) or hub name
+    source: str | None = None  # dataset: file path (.jsonl/.json/.parquet/.csv) or hub name
     split: str = "train"
     prompt_field: str = "question"
     answer_field: str = "answer"
@@ -65,7 +80,7 @@ class WarmupConfig:
 
     enabled: bool = True
     distractor_fraction: float = 0.7  # share of targets that are the wrong "distractor" answer
-    target_accuracy: float = 0.25     # stop when sampled accuracy reaches this
+    target_accuracy: float = 0.25  # stop when sampled accuracy reaches this
     max_steps: int = 4000
     batch_size: int = 256
     lr: float = 3e-3
@@ -78,7 +93,7 @@ class WarmupConfig:
 @dataclass
 class GRPOConfig:
     steps: int = 300
-    optimizer: str = "adamw"          # a registered optimizer (dist_sr.optim.OPTIMIZERS)
+    optimizer: str = "adamw"  # a registered optimizer (dist_sr.optim.OPTIMIZERS)
     prompts_per_step: int = 32
     samples_per_prompt: int = 8
     lr: float = 5e-6
@@ -87,7 +102,7 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2
-    kl_coef: float = 0.0              # KL penalty (k3) to the frozen reference; 0 = off
+    kl_coef: float = 0.0  # KL penalty (k3) to the frozen reference; 0 = off
     temperature: float = 1.0
     max_new_tokens: int = 6
     # a run that skips more than this share of its steps (non-finite gradients, loss-scale
@@ -108,31 +123,39 @@ class GRPOConfig:
         if self.lr <= 0 or self.temperature <= 0:
             raise ConfigError("grpo.lr and grpo.temperature must be > 0")
         if self.max_grad_norm <= 0:
-            raise ConfigError(f"grpo.max_grad_norm must be > 0 (the gradient's norm is clipped to it), "
-                              f"got {self.max_grad_norm}")
+            raise ConfigError(
+                f"grpo.max_grad_norm must be > 0 (the gradient's norm is clipped to it), got {self.max_grad_norm}"
+            )
         if not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"grpo.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.eps <= 0 or self.weight_decay < 0 or self.clip_eps <= 0 or self.kl_coef < 0:
             raise ConfigError("grpo.eps and grpo.clip_eps must be > 0, grpo.weight_decay and grpo.kl_coef >= 0")
         if self.is_correction not in ("none", "tis", "mis"):
-            raise ConfigError(f"grpo.is_correction: unknown correction {self.is_correction!r}; choose none, tis "
-                              "(token-level truncated importance sampling) or mis (sequence-level masked)")
+            raise ConfigError(
+                f"grpo.is_correction: unknown correction {self.is_correction!r}; choose none, tis "
+                "(token-level truncated importance sampling) or mis (sequence-level masked)"
+            )
         if not self.is_cap > 1 or not self.mismatch_threshold > 0:
-            raise ConfigError(f"grpo.is_cap must be > 1 (got {self.is_cap}) and grpo.mismatch_threshold > 0 "
-                              f"(got {self.mismatch_threshold})")
+            raise ConfigError(
+                f"grpo.is_cap must be > 1 (got {self.is_cap}) and grpo.mismatch_threshold > 0 "
+                f"(got {self.mismatch_threshold})"
+            )
         if not 0 <= self.max_skipped_fraction < 1:
-            raise ConfigError(f"grpo.max_skipped_fraction must be in [0, 1) (the share of steps a run may skip), got "
-                              f"{self.max_skipped_fraction}")
+            raise ConfigError(
+                f"grpo.max_skipped_fraction must be in [0, 1) (the share of steps a run may skip), got "
+                f"{self.max_skipped_fraction}"
+            )
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"grpo.optimizer: unknown optimizer {self.optimizer!r}; choose one of "
-                              f"{', '.join(OPTIMIZERS)}")
+            raise ConfigError(
+                f"grpo.optimizer: unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
+            )
 
 
 @dataclass
 class EvalConfig:
     every: int = 10
     num_prompts: int = 1024
-    seed: int = 1234                  # fixed prompts and fixed sampling noise at every evaluation
+    seed: int = 1234  # fixed prompts and fixed sampling noise at every evaluation
 
     def __post_init__(self):
         if self.every < 1 or self.num_prompts < 1:
@@ -150,11 +173,11 @@ class ExperimentConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    seed: int = 0                     # RL sampling seed
-    shadow_jitter: bool = False       # control run: move FP32 shadows off the BF16 grid at start
+    seed: int = 0  # RL sampling seed
+    shadow_jitter: bool = False  # control run: move FP32 shadows off the BF16 grid at start
     output_dir: str = "runs/train"
-    checkpoint_every: int = 50        # steps between checkpoints (0 = only at the end)
-    threads: int | None = None        # torch.set_num_threads
+    checkpoint_every: int = 50  # steps between checkpoints (0 = only at the end)
+    threads: int | None = None  # torch.set_num_threads
 
     def __post_init__(self):
         if self.threads is not None and self.threads < 1:
@@ -167,8 +190,10 @@ class ExperimentConfig:
         if self.shadow_jitter and self.distributed.engine != "single":
             raise ConfigError("shadow_jitter is a single-process control run; use distributed.engine=single")
         if spec.pure and self.distributed.engine == "deepspeed":
-            raise ConfigError(f"precision {spec.name} keeps no FP32 master, which DeepSpeed always shards; "
-                              "use bf16-sr with DeepSpeed, or distributed.engine=fsdp2 or single")
+            raise ConfigError(
+                f"precision {spec.name} keeps no FP32 master, which DeepSpeed always shards; "
+                "use bf16-sr with DeepSpeed, or distributed.engine=fsdp2 or single"
+            )
 
 
 def load_experiment(source: str | Path | dict, overrides: dict | None = None) -> ExperimentConfig:

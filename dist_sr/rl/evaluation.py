@@ -18,9 +18,19 @@ def fixed_examples(task: Task, n: int, seed: int) -> list[Example]:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task: Task, examples: list[Example], *, seed: int, max_new_tokens: int,
-             temperature: float = 1.0, ref_model=None, batch_size: int = 512,
-             stop_early: bool = True) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    task: Task,
+    examples: list[Example],
+    *,
+    seed: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    ref_model=None,
+    batch_size: int = 512,
+    stop_early: bool = True,
+) -> dict[str, float]:
     """Sampled accuracy (and exact KL to ``ref_model`` at the answer positions) on ``examples``.
 
     The sampling noise comes from a generator seeded with ``seed``: every evaluation of every run
@@ -33,13 +43,22 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], *, seed: int
     correct, kl_sum, kl_n = 0.0, 0.0, 0
     try:
         for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
+            chunk = examples[start : start + batch_size]
             ids, mask = encode_prompts(tokenizer, [e.prompt for e in chunk], device=device)
-            comp, comp_mask = sample(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     generator=generator, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                     stop_early=stop_early)
-            texts = tokenizer.batch_decode(comp * comp_mask + tokenizer.pad_token_id * (1 - comp_mask),
-                                           skip_special_tokens=True)
+            comp, comp_mask = sample(
+                model,
+                ids,
+                mask,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                generator=generator,
+                eos_id=tokenizer.eos_token_id,
+                pad_id=tokenizer.pad_token_id,
+                stop_early=stop_early,
+            )
+            texts = tokenizer.batch_decode(
+                comp * comp_mask + tokenizer.pad_token_id * (1 - comp_mask), skip_special_tokens=True
+            )
             correct += sum(task.reward(t, e.answer) for t, e in zip(texts, chunk))
             if ref_model is not None:
                 lp = sequence_logits(model, ids, mask, comp, comp_mask)

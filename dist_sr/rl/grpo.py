@@ -26,7 +26,7 @@ def sequence_logits(model, prompt_ids, prompt_mask, comp_ids, comp_mask) -> torc
     mask = torch.cat([prompt_mask, comp_mask], 1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
     p = prompt_ids.shape[1]
-    return logits[:, p - 1:-1, :].float()
+    return logits[:, p - 1 : -1, :].float()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -45,8 +45,9 @@ def masked_mean_per_sequence(x: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return ((x * m).sum(1) / m.sum(1).clamp_min(1)).mean()
 
 
-def grpo_loss(logp, old_logp, advantages, mask, *, clip_eps: float, ref_logp=None, kl_coef: float = 0.0,
-              is_weights=None):
+def grpo_loss(
+    logp, old_logp, advantages, mask, *, clip_eps: float, ref_logp=None, kl_coef: float = 0.0, is_weights=None
+):
     """Clipped policy-gradient loss with an optional k3 KL penalty; returns (loss, stats).
     ``is_weights`` ([N, T], no gradient) multiply the policy-gradient term per token: an
     importance-sampling correction for rollouts from another engine (``rl.mismatch``)."""

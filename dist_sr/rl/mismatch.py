@@ -36,8 +36,9 @@ def _valid(mask: torch.Tensor) -> torch.Tensor:
     return mask.bool()
 
 
-def mismatch_metrics(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, *,
-                     threshold: float = 0.1) -> dict[str, float]:
+def mismatch_metrics(
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, *, threshold: float = 0.1
+) -> dict[str, float]:
     """The mismatch metrics above for [N, T] log-probabilities and the completion mask."""
     valid = _valid(mask)
     r = (trainer_logp.detach().float() - engine_logp.float()).masked_fill(~valid, 0.0)
@@ -59,8 +60,9 @@ def mismatch_metrics(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask
     }
 
 
-def importance_weights(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, *,
-                       mode: str, cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+def importance_weights(
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, *, mode: str, cap: float
+) -> tuple[torch.Tensor | None, dict[str, float]]:
     """[N, T] weights for the per-token policy-gradient term (``None`` for ``mode="none"``) and
     what they did: ``is_clipped_frac`` (TIS: tokens at the cap) or ``is_masked_frac`` (MIS:
     sequences dropped)."""

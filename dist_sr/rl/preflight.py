@@ -56,12 +56,15 @@ def check_run_dir(out_dir: Path, need_bytes: int) -> None:
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".dist-sr-write-check-"):
             pass
     except OSError as exc:
-        raise RunDirectoryError(f"output_dir {out_dir} cannot be created or written ({exc.strerror or exc}); "
-                                "choose a writable output_dir") from None
+        raise RunDirectoryError(
+            f"output_dir {out_dir} cannot be created or written ({exc.strerror or exc}); choose a writable output_dir"
+        ) from None
     free = shutil.disk_usage(out_dir).free
     if free < need_bytes:
-        raise RunDirectoryError(f"output_dir {out_dir} has {_gb(free)} free, and one checkpoint of this run takes "
-                                f"about {_gb(need_bytes)}; free space there or choose another output_dir")
+        raise RunDirectoryError(
+            f"output_dir {out_dir} has {_gb(free)} free, and one checkpoint of this run takes "
+            f"about {_gb(need_bytes)}; free space there or choose another output_dir"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,14 @@ def available_memory() -> tuple[int, str]:
 def check_memory(cfg: ExperimentConfig, footprint: Footprint, available: tuple[int, str] | None = None) -> None:
     have, where = available if available is not None else available_memory()
     if footprint.total > have:
-        raise TooLarge(f"the model has {footprint.params / 1e6:.1f}M parameters; training it with precision "
-                       f"{cfg.precision.precision} holds at least {footprint.bytes_per_param} bytes per parameter "
-                       f"({_gb(footprint.total)} for this process before activations), but this process has {_gb(have)} ({where}); "
-                       "use a smaller model, or more processes (distributed.engine fsdp2 or deepspeed ZeRO-3 shard "
-                       "the state) or machines")
+        raise TooLarge(
+            f"the model has {footprint.params / 1e6:.1f}M parameters; training it with precision "
+            f"{cfg.precision.precision} holds at least {footprint.bytes_per_param} bytes per parameter "
+            f"({_gb(footprint.total)} for this process before activations), "
+            f"but this process has {_gb(have)} ({where}); "
+            "use a smaller model, or more processes (distributed.engine fsdp2 or deepspeed ZeRO-3 shard "
+            "the state) or machines"
+        )
 
 
 def preflight(cfg: ExperimentConfig, out_dir: Path) -> Footprint:

@@ -92,8 +92,15 @@ class DatasetTask(Task):
 
     name = "dataset"
 
-    def __init__(self, source: str, split: str = "train", prompt_field: str = "question",
-                 answer_field: str = "answer", answer_format: str = "gsm8k", config_name: str | None = None):
+    def __init__(
+        self,
+        source: str,
+        split: str = "train",
+        prompt_field: str = "question",
+        answer_field: str = "answer",
+        answer_format: str = "gsm8k",
+        config_name: str | None = None,
+    ):
         import datasets
 
         if answer_format not in ("gsm8k", "plain"):

@@ -101,10 +101,13 @@ def read_metrics(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # no newline after it: the writer was killed mid-line
-                warnings.warn(f"dist_sr: {path}: dropping a partial last line ({line[:60]!r})", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"dist_sr: {path}: dropping a partial last line ({line[:60]!r})", RuntimeWarning, stacklevel=2
+                )
                 continue
-            raise ConfigError(f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the metrics file is damaged") from None
+            raise ConfigError(
+                f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the metrics file is damaged"
+            ) from None
     return records
 
 
@@ -154,20 +157,40 @@ def _all_mean(values: list[float], world: int) -> list[float]:
 def settings(cfg: ExperimentConfig, world: int) -> TrainSettings:
     """What the training engine is built from, for this experiment."""
     g = cfg.grpo
-    return TrainSettings(precision=cfg.precision, distributed=cfg.distributed, lr=g.lr, betas=g.betas, eps=g.eps,
-                         weight_decay=g.weight_decay, optimizer=g.optimizer, max_grad_norm=g.max_grad_norm,
-                         batch_per_rank=g.prompts_per_step // world * g.samples_per_prompt)
+    return TrainSettings(
+        precision=cfg.precision,
+        distributed=cfg.distributed,
+        lr=g.lr,
+        betas=g.betas,
+        eps=g.eps,
+        weight_decay=g.weight_decay,
+        optimizer=g.optimizer,
+        max_grad_norm=g.max_grad_norm,
+        batch_per_rank=g.prompts_per_step // world * g.samples_per_prompt,
+    )
 
 
 # Settings a resumed run may change; any other difference from the run's config.yaml is refused.
-RESUMABLE_CHANGES = ("grpo.steps", "checkpoint_every", "threads", "output_dir", "rollout.", "cluster.", "eval.every",
-                     "warmup.cache_dir", "grpo.max_skipped_fraction")
+RESUMABLE_CHANGES = (
+    "grpo.steps",
+    "checkpoint_every",
+    "threads",
+    "output_dir",
+    "rollout.",
+    "cluster.",
+    "eval.every",
+    "warmup.cache_dir",
+    "grpo.max_skipped_fraction",
+)
 RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "deepspeed", "fsdp2", "tensorboard", "refused")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
-    return {k2: v2 for k, v in d.items()
-            for k2, v2 in (_flatten(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
+    return {
+        k2: v2
+        for k, v in d.items()
+        for k2, v2 in (_flatten(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])
+    }
 
 
 def check_resume_config(out_dir: Path, cfg: ExperimentConfig) -> None:
@@ -178,12 +201,18 @@ def check_resume_config(out_dir: Path, cfg: ExperimentConfig) -> None:
         return
     old = _flatten(yaml.safe_load(recorded.read_text()) or {})
     new = _flatten(yaml.safe_load(yaml.safe_dump(to_dict(cfg))))
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
-                     and not any(k == c or (c.endswith(".") and k.startswith(c)) for c in RESUMABLE_CHANGES))
+    changed = sorted(
+        k
+        for k in set(old) | set(new)
+        if old.get(k) != new.get(k)
+        and not any(k == c or (c.endswith(".") and k.startswith(c)) for c in RESUMABLE_CHANGES)
+    )
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
-        raise ConfigError(f"{out_dir} was trained with other settings ({detail}); resume it with its own "
-                          f"config ({recorded}), or start a new run in another output_dir (or with --overwrite)")
+        raise ConfigError(
+            f"{out_dir} was trained with other settings ({detail}); resume it with its own "
+            f"config ({recorded}), or start a new run in another output_dir (or with --overwrite)"
+        )
 
 
 def holds_a_run(out_dir: Path) -> bool:
@@ -192,9 +221,15 @@ def holds_a_run(out_dir: Path) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or any((out_dir / n).exists() for n in RUN_FILES[1:5])
 
 
-def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = False, overwrite: bool = False,
-          stop_at: int | None = None,
-          make_engine: Callable[[Any, Any], RolloutEngine] | None = None) -> Path:
+def train(
+    cfg: ExperimentConfig,
+    *,
+    progress: bool = True,
+    resume: bool | str = False,
+    overwrite: bool = False,
+    stop_at: int | None = None,
+    make_engine: Callable[[Any, Any], RolloutEngine] | None = None,
+) -> Path:
     """Run GRPO for ``cfg``; returns the metrics file.
 
     Runs in one process or, with ``distributed.engine`` deepspeed/fsdp2, on every rank of a
@@ -221,8 +256,10 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     if not resume and holds_a_run(out_dir):
         if not overwrite:
-            raise ConfigError(f"{out_dir} already holds a run (metrics or checkpoints); pass --resume to continue "
-                              "it, --overwrite to replace it, or choose another output_dir")
+            raise ConfigError(
+                f"{out_dir} already holds a run (metrics or checkpoints); pass --resume to continue "
+                "it, --overwrite to replace it, or choose another output_dir"
+            )
         if world > 1:
             dist.barrier()  # every rank has looked before rank 0 removes anything
         if rank == 0:
@@ -245,8 +282,10 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # FP32 copy of the start weights
     g = cfg.grpo
     if g.prompts_per_step % world:
-        raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the world size "
-                          f"{world}: each rank samples an equal share")
+        raise ConfigError(
+            f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the world size "
+            f"{world}: each rank samples an equal share"
+        )
     trainer = make_training_engine(settings(cfg, world), model)
     if cfg.shadow_jitter:
         jitter_shadows_(trainer.precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
@@ -254,15 +293,19 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
     if resume:
         loaded = trainer.load(out_dir)
         if loaded is None and resume is True:
-            raise ConfigError(f"nothing to resume in {out_dir}: it holds no checkpoint; run without --resume to start "
-                              "fresh (or with --resume-or-start)")
+            raise ConfigError(
+                f"nothing to resume in {out_dir}: it holds no checkpoint; run without --resume to start "
+                "fresh (or with --resume-or-start)"
+            )
         if loaded is None:
             if rank == 0:
                 print(f"dist-sr: no checkpoint in {out_dir}; starting fresh", flush=True)
             resume = False
         elif loaded > g.steps:
-            raise ConfigError(f"the checkpoint in {out_dir} is at step {loaded}, beyond grpo.steps={g.steps}; set "
-                              f"grpo.steps to at least {loaded} to continue this run")
+            raise ConfigError(
+                f"the checkpoint in {out_dir} is at step {loaded}, beyond grpo.steps={g.steps}; set "
+                f"grpo.steps to at least {loaded} to continue this run"
+            )
         else:
             start = loaded
             if rank == 0:
@@ -279,15 +322,23 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
     writer = MetricsWriter(out_dir, keep_until_step=start if resume else None) if rank == 0 else None
     eval_set = fixed_examples(task, cfg.eval.num_prompts, cfg.eval.seed)
     per_rank = len(eval_set) // world
-    eval_slice = eval_set[rank * per_rank:(rank + 1) * per_rank]  # equal slices: equal forward calls
+    eval_slice = eval_set[rank * per_rank : (rank + 1) * per_rank]  # equal slices: equal forward calls
 
     def stream(name: str) -> str:
         return name if world == 1 else f"{name}/{rank}"
 
     def run_eval() -> dict:
-        ev = evaluate(trainer.module, tokenizer, task, eval_slice, seed=cfg.eval.seed + rank,
-                      max_new_tokens=g.max_new_tokens, temperature=g.temperature, ref_model=ref_model,
-                      stop_early=not sharded)
+        ev = evaluate(
+            trainer.module,
+            tokenizer,
+            task,
+            eval_slice,
+            seed=cfg.eval.seed + rank,
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            ref_model=ref_model,
+            stop_early=not sharded,
+        )
         correct, n, kl_sum, kl_tokens = _all_sum([ev["correct"], ev["n"], ev["kl_sum"], ev["kl_tokens"]], world)
         return {"eval_accuracy": correct / n, "eval_kl": kl_sum / max(kl_tokens, 1)}
 
@@ -301,40 +352,60 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
     if start == 0:
         write({"step": 0, **run_eval()})
     last = g.steps if stop_at is None else min(stop_at, g.steps)
-    bar = tqdm(range(start + 1, last + 1), desc=f"GRPO {cfg.precision.precision}", disable=not progress or rank != 0,
-               initial=start, total=g.steps)
+    bar = tqdm(
+        range(start + 1, last + 1),
+        desc=f"GRPO {cfg.precision.precision}",
+        disable=not progress or rank != 0,
+        initial=start,
+        total=g.steps,
+    )
     for step in bar:
         t0 = time.perf_counter()
         rng = random.Random(step_seed(cfg.seed, step, stream("prompts")))
         examples = [task.sample(rng) for _ in range(g.prompts_per_step // world)]
         verify = cfg.rollout.verify_every > 0 and step % cfg.rollout.verify_every == 0
         rollout.sync_weights(step - 1, verify=verify)
-        ro = rollout.generate([e.prompt for e in examples], samples_per_prompt=g.samples_per_prompt,
-                              max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                              generator=torch.Generator(device=device).manual_seed(
-                                  step_seed(cfg.seed, step, stream("sample"))),
-                              with_digest=verify)
+        ro = rollout.generate(
+            [e.prompt for e in examples],
+            samples_per_prompt=g.samples_per_prompt,
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            generator=torch.Generator(device=device).manual_seed(step_seed(cfg.seed, step, stream("sample"))),
+            with_digest=verify,
+        )
         answers = [e.answer for e in examples for _ in range(g.samples_per_prompt)]
         rewards = torch.tensor([task.reward(t, a) for t, a in zip(ro.texts, answers)], device=device)
         if verify:
             trainer_digest = own_digest()
             if ro.weight_digest != trainer_digest:
-                raise RolloutWeightMismatch(f"step {step}: rollouts were generated with weights {ro.weight_digest}, "
-                                            f"but the trainer holds {trainer_digest}")
+                raise RolloutWeightMismatch(
+                    f"step {step}: rollouts were generated with weights {ro.weight_digest}, "
+                    f"but the trainer holds {trainer_digest}"
+                )
         logits = sequence_logits(trainer.module, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
         logp = token_logprobs(logits, ro.completion_ids)
         with torch.no_grad():
-            ref_logp = token_logprobs(sequence_logits(ref_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                                      ro.completion_mask), ro.completion_ids)
+            ref_logp = token_logprobs(
+                sequence_logits(ref_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask),
+                ro.completion_ids,
+            )
         mismatch, is_weights = {}, None
         if ro.engine_logprobs is not None:  # rollouts from another engine: measure, and correct if asked
             mismatch = mismatch_metrics(logp, ro.engine_logprobs, ro.completion_mask, threshold=g.mismatch_threshold)
-            is_weights, done = importance_weights(logp, ro.engine_logprobs, ro.completion_mask,
-                                                  mode=g.is_correction, cap=g.is_cap)
+            is_weights, done = importance_weights(
+                logp, ro.engine_logprobs, ro.completion_mask, mode=g.is_correction, cap=g.is_cap
+            )
             mismatch.update(done)
-        loss, stats = grpo_loss(logp, logp.detach(), group_advantages(rewards, g.samples_per_prompt),
-                                ro.completion_mask, clip_eps=g.clip_eps, ref_logp=ref_logp, kl_coef=g.kl_coef,
-                                is_weights=is_weights)
+        loss, stats = grpo_loss(
+            logp,
+            logp.detach(),
+            group_advantages(rewards, g.samples_per_prompt),
+            ro.completion_mask,
+            clip_eps=g.clip_eps,
+            ref_logp=ref_logp,
+            kl_coef=g.kl_coef,
+            is_weights=is_weights,
+        )
         nonfinite = _all_sum([0.0 if bool(torch.isfinite(loss.detach())) else 1.0], world)[0] > 0
         if nonfinite:  # every rank skips together (backward holds collectives)
             grad_norm, stepped = float("nan"), False
@@ -345,9 +416,17 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
         bad_run = bad_run + 1 if nonfinite else 0
         skipped += not stepped
         reward, loss_mean, kl_k3 = _all_mean([rewards.mean().item(), loss.item(), stats["kl_k3"]], world)
-        record = {"step": step, "reward": reward, "loss": loss_mean, "grad_norm": grad_norm, "kl_k3": kl_k3,
-                  "weight_version": ro.weight_version, "skipped": not stepped, "nonfinite": nonfinite,
-                  **(trainer.meter.update() if trainer.meter is not None else {})}
+        record = {
+            "step": step,
+            "reward": reward,
+            "loss": loss_mean,
+            "grad_norm": grad_norm,
+            "kl_k3": kl_k3,
+            "weight_version": ro.weight_version,
+            "skipped": not stepped,
+            "nonfinite": nonfinite,
+            **(trainer.meter.update() if trainer.meter is not None else {}),
+        }
         record.update(getattr(rollout, "sync_metrics", dict)())  # rank 0's view of the weight sync
         if mismatch:  # every rank has them (same engine kind); means over ranks
             record.update(zip(sorted(mismatch), _all_mean([mismatch[k] for k in sorted(mismatch)], world)))
@@ -357,17 +436,22 @@ def train(cfg: ExperimentConfig, *, progress: bool = True, resume: bool | str = 
         write(record)
         if bad_run >= MAX_NONFINITE_STEPS:
             kept = f"the newest checkpoint, step {saved_at}, is kept" if saved_at else "no checkpoint was written"
-            raise NonFiniteTraining(f"steps {step - bad_run + 1}..{step} had a non-finite loss or gradient and were "
-                                    f"skipped; stopping ({kept}). Lower grpo.lr (now {g.lr}) or check the data and "
-                                    "the model")
+            raise NonFiniteTraining(
+                f"steps {step - bad_run + 1}..{step} had a non-finite loss or gradient and were "
+                f"skipped; stopping ({kept}). Lower grpo.lr (now {g.lr}) or check the data and "
+                "the model"
+            )
         if skipped > g.max_skipped_fraction * g.steps:
-            raise TooManySkippedSteps(f"{skipped} of the {step - start} steps run so far were skipped (a loss scaler "
-                                      "that never finds a finite scale, or gradients that are never finite), more than "
-                                      f"grpo.max_skipped_fraction={g.max_skipped_fraction} of grpo.steps={g.steps}; "
-                                      "stopping instead of finishing untrained. Check precision.initial_loss_scale, "
-                                      f"grpo.lr (now {g.lr}) and the data")
-        bar.set_postfix(reward=f"{reward:.3f}", acc=f"{record.get('eval_accuracy', float('nan')):.3f}",
-                        kl=f"{kl_k3:.2e}")
+            raise TooManySkippedSteps(
+                f"{skipped} of the {step - start} steps run so far were skipped (a loss scaler "
+                "that never finds a finite scale, or gradients that are never finite), more than "
+                f"grpo.max_skipped_fraction={g.max_skipped_fraction} of grpo.steps={g.steps}; "
+                "stopping instead of finishing untrained. Check precision.initial_loss_scale, "
+                f"grpo.lr (now {g.lr}) and the data"
+            )
+        bar.set_postfix(
+            reward=f"{reward:.3f}", acc=f"{record.get('eval_accuracy', float('nan')):.3f}", kl=f"{kl_k3:.2e}"
+        )
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             trainer.save(out_dir, step)
             saved_at = step

@@ -54,8 +54,8 @@ def encode_targets(tokenizer, targets: list[str]) -> tuple[torch.Tensor, torch.T
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
     return ids, mask
 
 
@@ -85,8 +85,7 @@ def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
     rng = random.Random(w.seed)
     eval_set = fixed_examples(task, w.eval_prompts, w.seed + 1)
     accuracy, step = 0.0, 0
-    bar = tqdm(range(1, (w.max_steps if w.enabled else 0) + 1), desc="warm-up (SFT)", disable=not progress,
-               leave=False)
+    bar = tqdm(range(1, (w.max_steps if w.enabled else 0) + 1), desc="warm-up (SFT)", disable=not progress, leave=False)
     for step in bar:
         batch = [task.sample(rng) for _ in range(w.batch_size)]
         targets = [task.distractor(e) if rng.random() < w.distractor_fraction else e.answer for e in batch]
@@ -98,8 +97,9 @@ def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
         loss.backward()
         opt.step()
         if step % w.eval_every == 0:
-            accuracy = evaluate(model, tokenizer, task, eval_set, seed=w.seed + 2,
-                                max_new_tokens=cfg.grpo.max_new_tokens)["accuracy"]
+            accuracy = evaluate(
+                model, tokenizer, task, eval_set, seed=w.seed + 2, max_new_tokens=cfg.grpo.max_new_tokens
+            )["accuracy"]
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.3f}")
             if accuracy >= w.target_accuracy:
                 break

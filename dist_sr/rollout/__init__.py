@@ -9,5 +9,12 @@ from .vllm.engine import VLLMFleetEngine, make_vllm_fleet
 register_rollout_engine("embedded", make_embedded)
 register_rollout_engine("vllm", make_vllm_fleet)
 
-__all__ = ["ROLLOUT_ENGINES", "EmbeddedEngine", "RolloutEngine", "Rollouts", "VLLMFleetEngine", "make_rollout_engine",
-           "register_rollout_engine"]
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "EmbeddedEngine",
+    "RolloutEngine",
+    "Rollouts",
+    "VLLMFleetEngine",
+    "make_rollout_engine",
+    "register_rollout_engine",
+]

@@ -23,11 +23,11 @@ from ..registry import Registry
 
 @dataclass
 class Rollouts:
-    prompt_ids: torch.Tensor       # [N, P] left-padded
-    prompt_mask: torch.Tensor      # [N, P] 1 for real tokens
-    completion_ids: torch.Tensor   # [N, T] padded after EOS
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P] 1 for real tokens
+    completion_ids: torch.Tensor  # [N, T] padded after EOS
     completion_mask: torch.Tensor  # [N, T] 1 up to and including EOS
-    texts: list[str]               # decoded completions (special tokens removed)
+    texts: list[str]  # decoded completions (special tokens removed)
     weight_version: int
     weight_digest: str | None
     # [N, T] the engine's log-probabilities of the tokens it sampled (0 after the mask), when the
@@ -49,8 +49,16 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, version: int, verify: bool = True) -> None: ...
 
-    def generate(self, prompts: list[str], *, samples_per_prompt: int, max_new_tokens: int,
-                 temperature: float, generator: torch.Generator, with_digest: bool = False) -> Rollouts: ...
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        samples_per_prompt: int,
+        max_new_tokens: int,
+        temperature: float,
+        generator: torch.Generator,
+        with_digest: bool = False,
+    ) -> Rollouts: ...
 
 
 # name -> factory(rollout config, training engine, tokenizer, device, sharded) -> RolloutEngine
@@ -83,6 +91,6 @@ def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Te
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
     return ids.to(device), mask.to(device)

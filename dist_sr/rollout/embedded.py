@@ -34,15 +34,23 @@ class EmbeddedEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            comp, comp_mask = sample(self.model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     generator=generator, eos_id=self.tokenizer.eos_token_id,
-                                     pad_id=self.tokenizer.pad_token_id, stop_early=self.stop_early)
+            comp, comp_mask = sample(
+                self.model,
+                ids,
+                mask,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                generator=generator,
+                eos_id=self.tokenizer.eos_token_id,
+                pad_id=self.tokenizer.pad_token_id,
+                stop_early=self.stop_early,
+            )
         finally:
             self.model.train(was_training)
-        texts = self.tokenizer.batch_decode(comp * comp_mask + self.tokenizer.pad_token_id * (1 - comp_mask),
-                                            skip_special_tokens=True)
-        return Rollouts(ids, mask, comp, comp_mask, texts, self.version,
-                        self.weight_digest() if with_digest else None)
+        texts = self.tokenizer.batch_decode(
+            comp * comp_mask + self.tokenizer.pad_token_id * (1 - comp_mask), skip_special_tokens=True
+        )
+        return Rollouts(ids, mask, comp, comp_mask, texts, self.version, self.weight_digest() if with_digest else None)
 
 
 def make_embedded(config, trainer, tokenizer, *, device, sharded: bool) -> EmbeddedEngine:

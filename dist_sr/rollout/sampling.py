@@ -18,8 +18,18 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           temperature: float, generator: torch.Generator, eos_id: int, pad_id: int, stop_early: bool = True):
+def sample(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    eos_id: int,
+    pad_id: int,
+    stop_early: bool = True,
+):
     """Sample completions with a KV cache; Gumbel-max with noise from ``generator``, so a fixed
     generator seed gives the same noise (and, for the same weights, the same completions).
 

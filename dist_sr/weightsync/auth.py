@@ -30,10 +30,10 @@ from .. import secret
 
 ENV = "DIST_SR_SYNC_SECRET"
 ENV_FILE = "DIST_SR_SYNC_SECRET_FILE"
-MIN_BYTES = secret.MIN_BYTES    # shortest secret accepted
+MIN_BYTES = secret.MIN_BYTES  # shortest secret accepted
 SecretMissing = secret.SecretMissing  # this process has no sync secret but needs one
-WINDOW_S = 300.0                # a signed request is valid this long either side of the receiver's clock
-MAX_BODY_BYTES = 64 * 2**20     # control bodies (a plan is ~100 bytes per tensor)
+WINDOW_S = 300.0  # a signed request is valid this long either side of the receiver's clock
+MAX_BODY_BYTES = 64 * 2**20  # control bodies (a plan is ~100 bytes per tensor)
 HEADER_TIME, HEADER_NONCE, HEADER_SIG = "X-Dist-SR-Time", "X-Dist-SR-Nonce", "X-Dist-SR-Signature"
 
 
@@ -55,7 +55,8 @@ def load(env=None, *, required: bool = True) -> bytes | None:
         raise SecretMissing(
             f"no sync secret: trainer and rollout engines authenticate weight pushes with a shared secret; set "
             f"{ENV} (e.g. export {ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')) or "
-            f"{ENV_FILE} to the same value for the trainer and every engine (dist-sr k8s renders a Secret)")
+            f"{ENV_FILE} to the same value for the trainer and every engine (dist-sr k8s renders a Secret)"
+        )
     return found[0]
 
 
@@ -72,8 +73,15 @@ def store_prefix(secret: bytes) -> str:
 def sign_request(secret: bytes, method: str, path: str, body: bytes) -> dict[str, str]:
     """Headers that authenticate one request (``path`` with its query string)."""
     t, nonce = f"{time.time():.3f}", secrets.token_hex(16)
-    sig = _mac(secret, b"http", method.upper().encode(), path.encode(), t.encode(), nonce.encode(),
-               hashlib.sha256(body).hexdigest().encode())
+    sig = _mac(
+        secret,
+        b"http",
+        method.upper().encode(),
+        path.encode(),
+        t.encode(),
+        nonce.encode(),
+        hashlib.sha256(body).hexdigest().encode(),
+    )
     return {HEADER_TIME: t, HEADER_NONCE: nonce, HEADER_SIG: sig}
 
 
@@ -92,8 +100,10 @@ class Verifier:
             raise AuthError("missing or malformed signature time") from None
         now = self.clock()
         if abs(now - when) > self.window_s:
-            raise AuthError(f"signature time is {now - when:+.0f}s from this engine's clock (allowed ±{self.window_s:.0f}s); "
-                            "sync the clocks (NTP) or re-sign")
+            raise AuthError(
+                f"signature time is {now - when:+.0f}s from this engine's clock (allowed ±{self.window_s:.0f}s); "
+                "sync the clocks (NTP) or re-sign"
+            )
         if not isinstance(nonce, str) or not 16 <= len(nonce) <= 128:
             raise AuthError("missing or malformed nonce")
         with self._lock:
@@ -110,8 +120,15 @@ class Verifier:
         t, nonce, sig = h.get(HEADER_TIME.lower()), h.get(HEADER_NONCE.lower()), h.get(HEADER_SIG.lower())
         if not sig:
             raise AuthError(f"unauthenticated: this route needs the {HEADER_SIG} header (the trainer's sync secret)")
-        expected = _mac(self.secret, b"http", method.upper().encode(), path.encode(), str(t).encode(),
-                        str(nonce).encode(), hashlib.sha256(body).hexdigest().encode())
+        expected = _mac(
+            self.secret,
+            b"http",
+            method.upper().encode(),
+            path.encode(),
+            str(t).encode(),
+            str(nonce).encode(),
+            hashlib.sha256(body).hexdigest().encode(),
+        )
         if not hmac.compare_digest(expected, str(sig)):
             raise AuthError("bad signature: the request was not signed with this engine's sync secret")
         self._fresh(t, nonce)
@@ -120,8 +137,14 @@ class Verifier:
         """Raise ``AuthError`` unless ``auth`` (from ``sign_payload``) signs ``fields``."""
         if not isinstance(auth, dict) or not auth.get("sig"):
             raise AuthError(f"unauthenticated {kind}: it carries no signature from the trainer's sync secret")
-        expected = _mac(self.secret, b"payload", kind.encode(), str(auth.get("t")).encode(),
-                        str(auth.get("nonce")).encode(), _canonical(fields))
+        expected = _mac(
+            self.secret,
+            b"payload",
+            kind.encode(),
+            str(auth.get("t")).encode(),
+            str(auth.get("nonce")).encode(),
+            _canonical(fields),
+        )
         if not hmac.compare_digest(expected, str(auth["sig"])):
             raise AuthError(f"bad signature on {kind}: not signed with this engine's sync secret")
         self._fresh(auth.get("t"), auth.get("nonce"))
@@ -134,5 +157,8 @@ def _canonical(fields: dict) -> bytes:
 
 def sign_payload(secret: bytes, kind: str, fields: dict) -> dict:
     t, nonce = f"{time.time():.3f}", secrets.token_hex(16)
-    return {"t": t, "nonce": nonce,
-            "sig": _mac(secret, b"payload", kind.encode(), t.encode(), nonce.encode(), _canonical(fields))}
+    return {
+        "t": t,
+        "nonce": nonce,
+        "sig": _mac(secret, b"payload", kind.encode(), t.encode(), nonce.encode(), _canonical(fields)),
+    }

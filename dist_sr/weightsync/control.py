@@ -11,8 +11,8 @@ from typing import Protocol
 
 from ..config import Refusal
 
-GROUP_PORT = 29600   # trainer rank 0 hosts the weight-transfer groups' store here by default
-TIMEOUT_S = 120.0    # default per collective and per control call
+GROUP_PORT = 29600  # trainer rank 0 hosts the weight-transfer groups' store here by default
+TIMEOUT_S = 120.0  # default per collective and per control call
 MAX_TIMEOUT_S = 3600.0  # the longest per-call timeout an engine accepts
 
 

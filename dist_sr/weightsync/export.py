@@ -42,33 +42,43 @@ def export_bf16(name: str, tensor: torch.Tensor, *, key: live.KeyOwner | None = 
     from ..engines.fsdp2.hook import plain  # the FP32 behind an SR-wrapped parameter
 
     if hasattr(tensor, "device_mesh"):
-        raise TypeError(f"export_bf16({name!r}): a DTensor (one rank's shard); pass tensor.full_tensor(), or use "
-                        "rollout_shards() for shard-direct export")
+        raise TypeError(
+            f"export_bf16({name!r}): a DTensor (one rank's shard); pass tensor.full_tensor(), or use "
+            "rollout_shards() for shard-direct export"
+        )
     if getattr(tensor, "ds_id", None) is not None:
-        raise TypeError(f"export_bf16({name!r}): a ZeRO-3 partitioned parameter; pass the DeepSpeed engine to "
-                        "rollout_weights(), or gather it first")
+        raise TypeError(
+            f"export_bf16({name!r}): a ZeRO-3 partitioned parameter; pass the DeepSpeed engine to "
+            "rollout_weights(), or gather it first"
+        )
     t = plain(tensor)
     if t.dtype == torch.bfloat16:
         return t
     if t.dtype != torch.float32:
-        raise TypeError(f"export_bf16({name!r}): a {t.dtype} tensor; it rounds FP32 masters to BF16 (SR into "
-                        "FP16 is not supported)")
+        raise TypeError(
+            f"export_bf16({name!r}): a {t.dtype} tensor; it rounds FP32 masters to BF16 (SR into FP16 is not supported)"
+        )
     name = normalize_param_name(name)
     owner = key if key is not None else live.owner_of(name)
     if owner is None:
         if not live.owners():
-            raise RuntimeError(f"export_bf16({name!r}): no model trained with SR is live in this process; turn SR on "
-                               "first (dist_sr.engines.fsdp2.prepare, the DeepSpeed \"stochastic_rounding\" block, "
-                               "dist_sr.integrations.trl.enable) or pass key=")
-        raise KeyError(f"export_bf16({name!r}): no live SR model has a parameter of this name; pass the model's own "
-                       "named_parameters() name (wrapper prefixes are removed), not the rollout engine's")
+            raise RuntimeError(
+                f"export_bf16({name!r}): no model trained with SR is live in this process; turn SR on "
+                'first (dist_sr.engines.fsdp2.prepare, the DeepSpeed "stochastic_rounding" block, '
+                "dist_sr.integrations.trl.enable) or pass key="
+            )
+        raise KeyError(
+            f"export_bf16({name!r}): no live SR model has a parameter of this name; pass the model's own "
+            "named_parameters() name (wrapper prefixes are removed), not the rollout engine's"
+        )
     rounds = owner.rounds(name)
     if rounds is None:
         raise KeyError(f"export_bf16({name!r}): the given key's model has no parameter of this name")
     if not rounds:  # frozen: the forward pass casts it round-to-nearest
         return t.to(torch.bfloat16)
-    return stochastic_round(t, seed=owner.seed, step=owner.step, param=owner.key_name(name), offset=offset,
-                            mode=owner.mode)
+    return stochastic_round(
+        t, seed=owner.seed, step=owner.step, param=owner.key_name(name), offset=offset, mode=owner.mode
+    )
 
 
 def _fsdp2_root(module: nn.Module):
@@ -127,8 +137,10 @@ def rollout_weights(obj) -> Iterator[tuple[str, torch.Tensor]]:
 
     for name, p in module.named_parameters():
         if getattr(p, "ds_id", None) is not None:
-            raise TypeError(f"{name!r} is a ZeRO-3 partitioned parameter: pass the DeepSpeed engine "
-                            "(trainer.model_wrapped), not its module")
+            raise TypeError(
+                f"{name!r} is a ZeRO-3 partitioned parameter: pass the DeepSpeed engine "
+                "(trainer.model_wrapped), not its module"
+            )
         name = normalize_param_name(name)
         if isinstance(p, SRShadowParam):
             yield name, export_bf16(name, p, key=p._ctx)

@@ -24,8 +24,8 @@ from ..numerics.digest import DTYPES
 
 @dataclass
 class Span:
-    src: int      # trainer rank that sends it
-    start: int    # flat element range of the full tensor
+    src: int  # trainer rank that sends it
+    start: int  # flat element range of the full tensor
     end: int
 
 
@@ -63,25 +63,42 @@ class Bucket:
 @dataclass
 class SyncPlan:
     version: int
-    senders: int                       # trainer ranks that send (1 = gather-then-broadcast)
+    senders: int  # trainer ranks that send (1 = gather-then-broadcast)
     buckets: list[Bucket]
-    digest: bool = True                # engines digest what they receive (for verification)
-    keep: bool = False                 # engines keep a copy of what they load (a later delta's base)
-    delta_base: int | None = None      # spans are deltas against this version (None: dense)
+    digest: bool = True  # engines digest what they receive (for verification)
+    keep: bool = False  # engines keep a copy of what they load (a later delta's base)
+    delta_base: int | None = None  # spans are deltas against this version (None: dense)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "senders": self.senders, "digest": self.digest, "keep": self.keep,
-                "delta_base": self.delta_base,
-                "buckets": [[[t.name, t.dtype, list(t.shape), [[p.src, p.start, p.end] for p in t.spans]]
-                             for t in b.tensors] for b in self.buckets]}
+        return {
+            "version": self.version,
+            "senders": self.senders,
+            "digest": self.digest,
+            "keep": self.keep,
+            "delta_base": self.delta_base,
+            "buckets": [
+                [[t.name, t.dtype, list(t.shape), [[p.src, p.start, p.end] for p in t.spans]] for t in b.tensors]
+                for b in self.buckets
+            ],
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "SyncPlan":
-        buckets = [Bucket([TensorPlan(name, dtype, tuple(shape), [Span(*p) for p in spans])
-                           for name, dtype, shape, spans in b]) for b in data["buckets"]]
+        buckets = [
+            Bucket(
+                [TensorPlan(name, dtype, tuple(shape), [Span(*p) for p in spans]) for name, dtype, shape, spans in b]
+            )
+            for b in data["buckets"]
+        ]
         base = data.get("delta_base")
-        return cls(int(data["version"]), int(data["senders"]), buckets, bool(data.get("digest", True)),
-                   bool(data.get("keep", False)), None if base is None else int(base))
+        return cls(
+            int(data["version"]),
+            int(data["senders"]),
+            buckets,
+            bool(data.get("digest", True)),
+            bool(data.get("keep", False)),
+            None if base is None else int(base),
+        )
 
     def check(self) -> None:
         """Every tensor covered exactly once by its spans (no gap, no overlap)."""

@@ -50,10 +50,10 @@ log = logging.getLogger(__name__)
 class InitInfo:
     master_address: str
     master_port: int
-    rank_offset: int       # this engine's first worker in the group (1 + workers of earlier engines)
-    world_size: int        # 1 + every worker of every engine
-    senders: int = 1       # trainer ranks that send: 1 = gather-then-broadcast, M = shard-direct
-    generation: int = 0    # bumped whenever the fleet is rebuilt
+    rank_offset: int  # this engine's first worker in the group (1 + workers of earlier engines)
+    world_size: int  # 1 + every worker of every engine
+    senders: int = 1  # trainer ranks that send: 1 = gather-then-broadcast, M = shard-direct
+    generation: int = 0  # bumped whenever the fleet is rebuilt
     timeout_s: float = TIMEOUT_S
     auth: dict | None = None  # the trainer's signature over the fields above (weightsync.auth)
 
@@ -62,8 +62,13 @@ class InitInfo:
 
     def check(self) -> None:
         """Values a receiver can act on (raise ``ValueError`` naming the field otherwise)."""
-        ints = {"master_port": (1, 65535), "rank_offset": (1, 2**20), "world_size": (2, 2**20), "senders": (1, 2**16),
-                "generation": (0, 2**62)}
+        ints = {
+            "master_port": (1, 65535),
+            "rank_offset": (1, 2**20),
+            "world_size": (2, 2**20),
+            "senders": (1, 2**16),
+            "generation": (0, 2**62),
+        }
         for name, (lo, hi) in ints.items():
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -94,8 +99,9 @@ class WeightReceiver:
         self.state = {"version": None, "digests": {}, "complete": False}
         # fault injection: the tensor whose first element gets one bit flipped as it loads, or
         # ("delta:NAME") whose first delta gets one bit flipped
-        self.corrupt, self.corrupt_delta = (None, corrupt[6:]) if corrupt and corrupt.startswith("delta:") \
-            else (corrupt, None)
+        self.corrupt, self.corrupt_delta = (
+            (None, corrupt[6:]) if corrupt and corrupt.startswith("delta:") else (corrupt, None)
+        )
         self.held: dict[str, torch.Tensor] = {}  # flat tensors of the last complete sync (plan.keep)
         self.held_version: int | None = None
         # Who the trainer verified: a restart gets a new boot id, and every accepted control event
@@ -112,8 +118,10 @@ class WeightReceiver:
             raise ValueError(f"worker rank {rank} is outside the group's world of {info.world_size}")
         store = open_store(info.master_address, info.master_port, is_master=False, timeout_s=info.timeout_s)
         prefix = auth.store_prefix(self.verifier.secret)
-        groups = {m: gloo_group(store, info.generation, m, rank, info.world_size, info.timeout_s, prefix=prefix)
-                  for m in range(info.senders)}
+        groups = {
+            m: gloo_group(store, info.generation, m, rank, info.world_size, info.timeout_s, prefix=prefix)
+            for m in range(info.senders)
+        }
         self.shutdown()
         self.rank, self.store, self.groups = rank, store, groups
         self.state = {"version": None, "digests": {}, "complete": False}
@@ -135,12 +143,16 @@ class WeightReceiver:
         for b in plan.buckets:
             for t in b.tensors:
                 if t.dtype not in DTYPES or not all(isinstance(d, int) and d >= 0 for d in t.shape):
-                    raise ValueError(f"sync plan: {t.name} has dtype {t.dtype!r} and shape {t.shape}; expected one of "
-                                     f"{sorted(DTYPES)} and non-negative integer sizes")
+                    raise ValueError(
+                        f"sync plan: {t.name} has dtype {t.dtype!r} and shape {t.shape}; expected one of "
+                        f"{sorted(DTYPES)} and non-negative integer sizes"
+                    )
                 total += math.prod(t.shape) * t.itemsize
         if self.max_bytes is not None and total > self.max_bytes:
-            raise ValueError(f"sync plan carries {total} bytes, over this engine's limit of {self.max_bytes} "
-                             "(its model's size): wrong model, or not a plan for this engine")
+            raise ValueError(
+                f"sync plan carries {total} bytes, over this engine's limit of {self.max_bytes} "
+                "(its model's size): wrong model, or not a plan for this engine"
+            )
         plan.check()
         return plan
 
@@ -152,8 +164,10 @@ class WeightReceiver:
             raise RuntimeError(f"sync plan has {plan.senders} sender(s) but this engine joined {len(self.groups)}")
         base = plan.delta_base
         if base is not None and (base != self.held_version or not self.held):
-            raise RuntimeError(f"a delta against weight version {base}, but this engine holds "
-                               f"{self.held_version if self.held else 'no kept version'}: it needs a dense sync")
+            raise RuntimeError(
+                f"a delta against weight version {base}, but this engine holds "
+                f"{self.held_version if self.held else 'no kept version'}: it needs a dense sync"
+            )
         self.events += 1
         self.state["complete"] = False
         self.held_version = None  # changing from here on
@@ -180,8 +194,10 @@ class WeightReceiver:
             load(tensors)
         if refused:
             self.held = {}
-            raise RuntimeError(f"the delta against weight version {base} could not be applied ({refused}); "
-                               "this engine needs a dense sync")
+            raise RuntimeError(
+                f"the delta against weight version {base} could not be applied ({refused}); "
+                "this engine needs a dense sync"
+            )
         self.state["version"] = plan.version
         if plan.keep:
             self.held_version = plan.version
@@ -193,15 +209,17 @@ class WeightReceiver:
         for t in bucket.tensors:
             held = self.held.get(t.name)
             if held is None or held.numel() != t.numel or held.dtype != DTYPES[t.dtype]:
-                raise RuntimeError(f"a delta for {t.name} ({t.dtype}, {t.numel} elements) does not match the kept "
-                                   f"copy ({None if held is None else (held.dtype, held.numel())})")
+                raise RuntimeError(
+                    f"a delta for {t.name} ({t.dtype}, {t.numel} elements) does not match the kept "
+                    f"copy ({None if held is None else (held.dtype, held.numel())})"
+                )
             for p in t.spans:
                 buf = buffers[p.src]
                 if self.corrupt_delta == t.name and buf.numel() > cursor[p.src] + delta_codec.HEADER_BYTES:
                     buf[cursor[p.src] + delta_codec.HEADER_BYTES] ^= 1
                     self.corrupt_delta = None
                 d, cursor[p.src] = delta_codec.read_delta(buf, cursor[p.src])
-                delta_codec.apply_(held[p.start:p.end], d)
+                delta_codec.apply_(held[p.start : p.end], d)
             out.append((t.name, held.view(t.shape)))
         return out
 
@@ -211,9 +229,15 @@ class WeightReceiver:
 
     def report(self) -> dict:
         s = self.state
-        return {"version": s["version"], "complete": s["complete"], "rank": self.rank, "boot": self.boot,
-                "events": self.events, "held": self.held_version,
-                "digests": {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in s["digests"].items()}}
+        return {
+            "version": s["version"],
+            "complete": s["complete"],
+            "rank": self.rank,
+            "boot": self.boot,
+            "events": self.events,
+            "held": self.held_version,
+            "digests": {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in s["digests"].items()},
+        }
 
     def shutdown(self) -> None:
         for g in self.groups.values():
@@ -313,29 +337,54 @@ class _Handler(BaseHTTPRequestHandler):
         return self._reply(200, {"status": "ok"})
 
 
-def serve(port: int, host: str = "127.0.0.1", corrupt: str | None = None, *, secret: bytes | None = None,
-          max_bytes: int | None = None, request_timeout_s: float = 30.0) -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"receiver": WeightReceiver(corrupt, secret=secret, max_bytes=max_bytes),
-                                            "tensors": {}, "timeout": request_timeout_s})
+def serve(
+    port: int,
+    host: str = "127.0.0.1",
+    corrupt: str | None = None,
+    *,
+    secret: bytes | None = None,
+    max_bytes: int | None = None,
+    request_timeout_s: float = 30.0,
+) -> ThreadingHTTPServer:
+    handler = type(
+        "Handler",
+        (_Handler,),
+        {
+            "receiver": WeightReceiver(corrupt, secret=secret, max_bytes=max_bytes),
+            "tensors": {},
+            "timeout": request_timeout_s,
+        },
+    )
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="A bare dist-sr weight receiver (vLLM's weight routes, no model). "
-                                 f"Needs the job's sync secret in {auth.ENV} or {auth.ENV_FILE}.")
+    ap = argparse.ArgumentParser(
+        description="A bare dist-sr weight receiver (vLLM's weight routes, no model). "
+        f"Needs the job's sync secret in {auth.ENV} or {auth.ENV_FILE}."
+    )
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--max-mb", type=float, default=4096.0, help="largest plan accepted (MiB)")
     ap.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client may take to send a request")
-    ap.add_argument("--corrupt", metavar="NAME", help="fault injection (tests): flip one bit of tensor NAME as it "
-                    "is loaded, so this receiver holds and reports wrong bits; delta:NAME flips one bit of the "
-                    "first delta received for NAME")
+    ap.add_argument(
+        "--corrupt",
+        metavar="NAME",
+        help="fault injection (tests): flip one bit of tensor NAME as it "
+        "is loaded, so this receiver holds and reports wrong bits; delta:NAME flips one bit of the "
+        "first delta received for NAME",
+    )
     args = ap.parse_args()
     try:
-        server = serve(args.port, args.host, args.corrupt, max_bytes=int(args.max_mb * 2**20),
-                       request_timeout_s=args.request_timeout)
+        server = serve(
+            args.port,
+            args.host,
+            args.corrupt,
+            max_bytes=int(args.max_mb * 2**20),
+            request_timeout_s=args.request_timeout,
+        )
     except auth.SecretMissing as exc:
         sys.exit(f"dist-sr receiver: {exc}")
     server.serve_forever()

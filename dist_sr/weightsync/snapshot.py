@@ -19,8 +19,16 @@ import torch.distributed as dist
 from .plan import Span, TensorPlan, make_buckets
 
 
-def write_snapshot(source, snapshot_dir: str | Path, version: int, *, config=None, tokenizer=None,
-                   bucket_mb: float = 256.0, keep: int = 2) -> Path | None:
+def write_snapshot(
+    source,
+    snapshot_dir: str | Path,
+    version: int,
+    *,
+    config=None,
+    tokenizer=None,
+    bucket_mb: float = 256.0,
+    keep: int = 2,
+) -> Path | None:
     """Every trainer rank (``source.gather`` is a collective); rank 0 writes. Returns the
     snapshot directory on rank 0."""
     from safetensors.torch import save_file
@@ -44,8 +52,9 @@ def write_snapshot(source, snapshot_dir: str | Path, version: int, *, config=Non
             weight_map.update({n: fname for n in names})
     if rank != 0:
         return None
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"dist_sr_weight_version": version}, "weight_map": weight_map}, indent=1))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"dist_sr_weight_version": version}, "weight_map": weight_map}, indent=1)
+    )
     if config is not None:
         config.save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())

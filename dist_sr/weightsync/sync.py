@@ -46,12 +46,12 @@ class Member:
     """One rollout engine as the sync sees it."""
 
     control: ControlPlane
-    workers: int = 0                 # TP * PP (* DP): members of the transfer groups
-    state: str = "new"               # new | ready | pending | down
-    version: int | None = None       # last weight version verified on this engine
-    reason: str = ""                 # why it is not ready
-    mark: list | None = None         # each worker's (rank, boot, events) when its digests were verified
-    held: int | None = None          # the version every worker says it keeps (a delta's base), if any
+    workers: int = 0  # TP * PP (* DP): members of the transfer groups
+    state: str = "new"  # new | ready | pending | down
+    version: int | None = None  # last weight version verified on this engine
+    reason: str = ""  # why it is not ready
+    mark: list | None = None  # each worker's (rank, boot, events) when its digests were verified
+    held: int | None = None  # the version every worker says it keeps (a delta's base), if any
 
     @property
     def url(self) -> str:
@@ -68,16 +68,26 @@ class SyncResult:
     attempts: int
     problems: list[str] = field(default_factory=list)
     marks: dict = field(default_factory=dict)  # url -> Member.mark of each ready engine
-    delta_base: int | None = None               # the version the deltas were against (None: dense)
+    delta_base: int | None = None  # the version the deltas were against (None: dense)
 
 
 class WeightSync:
     """One trainer's weight sync to a fleet (every trainer rank holds one)."""
 
-    def __init__(self, source: WeightSource, controls: Sequence[ControlPlane], *, transport: str = "broadcast",
-                 bucket_mb: float = 64.0, timeout_s: float = TIMEOUT_S, group_host: str | None = None,
-                 group_port: int = GROUP_PORT, trainer_group=None, secret: bytes | None = None,
-                 delta: bool = False):
+    def __init__(
+        self,
+        source: WeightSource,
+        controls: Sequence[ControlPlane],
+        *,
+        transport: str = "broadcast",
+        bucket_mb: float = 64.0,
+        timeout_s: float = TIMEOUT_S,
+        group_host: str | None = None,
+        group_port: int = GROUP_PORT,
+        trainer_group=None,
+        secret: bytes | None = None,
+        delta: bool = False,
+    ):
         if transport not in ("broadcast", "shard-direct"):
             raise ValueError(f"unknown transport {transport!r}; choose broadcast or shard-direct")
         self.source, self.transport = source, transport
@@ -152,17 +162,27 @@ class WeightSync:
         if self.rank == 0:
             offset = 1
             for url, workers in members:
-                info = {"master_address": self.group_host, "master_port": self.group_port, "rank_offset": offset,
-                        "world_size": world, "senders": self.senders, "generation": self.generation,
-                        "timeout_s": self.timeout_s}
+                info = {
+                    "master_address": self.group_host,
+                    "master_port": self.group_port,
+                    "rank_offset": offset,
+                    "world_size": world,
+                    "senders": self.senders,
+                    "generation": self.generation,
+                    "timeout_s": self.timeout_s,
+                }
                 offset += workers
                 threads.append(self._call_async(lambda c=controls[url], i=info: c.init_transfer(i), failed))
         if self.rank < self.senders:
-            store = self.store if self.rank == 0 else open_store(self.group_host, self.group_port, is_master=False,
-                                                                 timeout_s=self.timeout_s)
+            store = (
+                self.store
+                if self.rank == 0
+                else open_store(self.group_host, self.group_port, is_master=False, timeout_s=self.timeout_s)
+            )
             try:
-                self.groups[self.rank] = gloo_group(store, self.generation, self.rank, 0, world, self.timeout_s,
-                                                    prefix=self.store_prefix)
+                self.groups[self.rank] = gloo_group(
+                    store, self.generation, self.rank, 0, world, self.timeout_s, prefix=self.store_prefix
+                )
             except RuntimeError as exc:
                 failed.append(f"trainer rank {self.rank}: {exc}")
         for t in threads:
@@ -191,8 +211,9 @@ class WeightSync:
                 spans = [Span(r, *self._range_of(name, r)) for r in range(self.world)]
                 spans = [p for p in spans if p.end > p.start] or [Span(0, 0, 0)]
             tensors.append(TensorPlan(name, dtype, tuple(shape), spans))
-        plan = SyncPlan(version, self.senders, make_buckets(tensors, self.bucket_bytes), keep=self.delta,
-                        delta_base=delta_base)
+        plan = SyncPlan(
+            version, self.senders, make_buckets(tensors, self.bucket_bytes), keep=self.delta, delta_base=delta_base
+        )
         plan.check()
         return plan
 
@@ -224,8 +245,9 @@ class WeightSync:
                 members = [(e.url, e.workers) for e in self.engines if e.state != "down"]
             members = self._bcast(members)
             if not members:
-                raise NoReadyEngineError("no rollout engine is reachable: " + "; ".join(
-                    f"{e.url}: {e.reason}" for e in self.engines))
+                raise NoReadyEngineError(
+                    "no rollout engine is reachable: " + "; ".join(f"{e.url}: {e.reason}" for e in self.engines)
+                )
             failed = []
             if members != self.members:
                 failed = self._connect(members)
@@ -251,8 +273,9 @@ class WeightSync:
             problems += bad
         ready = self._bcast(ready)
         marks = self._bcast({e.url: e.mark for e in self.engines if e.url in ready} if self.rank == 0 else None)
-        self.last = SyncResult(version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems,
-                               marks, base)
+        self.last = SyncResult(
+            version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems, marks, base
+        )
         if not ready:
             raise NoReadyEngineError(f"after weight sync {version} no engine holds the trainer's weights: {problems}")
         self.base_version = version if self.delta else None
@@ -276,8 +299,11 @@ class WeightSync:
             return [bits for _, _, bits in pieces], False
         blobs = []
         for name, start, bits in pieces:
-            blobs.append(torch.frombuffer(bytearray(delta_codec.encode(self.base[(name, start)], bits).to_bytes()),
-                                          dtype=torch.uint8))
+            blobs.append(
+                torch.frombuffer(
+                    bytearray(delta_codec.encode(self.base[(name, start)], bits).to_bytes()), dtype=torch.uint8
+                )
+            )
         return blobs, True
 
     def _keep(self, pieces) -> None:
@@ -328,8 +354,9 @@ class WeightSync:
                 if self.rank < self.senders:
                     chunks, sized = self._pieces_out(pieces, base)
                     if sized:
-                        sent += send_sized(self.groups[self.rank], torch.cat(chunks) if chunks else
-                                           torch.empty(0, dtype=torch.uint8))
+                        sent += send_sized(
+                            self.groups[self.rank], torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+                        )
                     else:
                         buf = self.packer.pack(chunks, bucket.nbytes(self.rank))
                         broadcast(self.groups[self.rank], buf).wait()
@@ -373,14 +400,26 @@ class WeightSync:
                 e.state, e.reason = "pending", str(exc)
                 problems.append(str(exc))
                 continue
-            bad = [] if expected is None else sorted({n for r in reports for n in set(expected) | set(r.get("digests", {}))
-                                                      if r.get("digests", {}).get(n) != expected.get(n)})
+            bad = (
+                []
+                if expected is None
+                else sorted(
+                    {
+                        n
+                        for r in reports
+                        for n in set(expected) | set(r.get("digests", {}))
+                        if r.get("digests", {}).get(n) != expected.get(n)
+                    }
+                )
+            )
             stale = [r.get("rank") for r in reports if str(r.get("version")) != str(version) or not r.get("complete")]
             if bad or stale:
                 e.state = "pending"
-                e.reason = (f"weights differ from the trainer's after sync {version}: "
-                            f"{bad[:8]}{' ...' if len(bad) > 8 else ''}" if bad else
-                            f"workers {stale} did not complete sync {version}")
+                e.reason = (
+                    f"weights differ from the trainer's after sync {version}: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
+                    if bad
+                    else f"workers {stale} did not complete sync {version}"
+                )
                 problems.append(f"{e.url}: {e.reason}")
                 log.error("engine %s gets no rollouts: %s", e.url, e.reason)
                 continue
@@ -409,8 +448,10 @@ class WeightSync:
                 problems.append(f"{url}: {exc}")
                 continue
             if self.last is None or _mark(reports) != self.last.marks.get(url):
-                problems.append(f"{url}: restarted or changed by a control event after weight sync "
-                                f"{self.last.version if self.last else None} was verified")
+                problems.append(
+                    f"{url}: restarted or changed by a control event after weight sync "
+                    f"{self.last.version if self.last else None} was verified"
+                )
         return problems
 
     def _control(self, url: str) -> ControlPlane:

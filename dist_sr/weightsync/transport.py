@@ -33,8 +33,10 @@ def listen_socket(host: str, port: int, wait_s: float = 60.0) -> socket.socket:
             break
         except socket.gaierror as exc:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"weight-transfer store: cannot resolve group_host {host!r} ({exc}); set "
-                                   "rollout.vllm.group_host to an address of trainer rank 0") from None
+                raise RuntimeError(
+                    f"weight-transfer store: cannot resolve group_host {host!r} ({exc}); set "
+                    "rollout.vllm.group_host to an address of trainer rank 0"
+                ) from None
             time.sleep(1)
     s = socket.socket(family, kind, proto)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,8 +44,10 @@ def listen_socket(host: str, port: int, wait_s: float = 60.0) -> socket.socket:
         s.bind(addr)
     except OSError as exc:
         s.close()
-        raise RuntimeError(f"weight-transfer store: cannot listen on {host}:{port} ({exc}); group_host must be an "
-                           "address of trainer rank 0's machine, and the port free") from None
+        raise RuntimeError(
+            f"weight-transfer store: cannot listen on {host}:{port} ({exc}); group_host must be an "
+            "address of trainer rank 0's machine, and the port free"
+        ) from None
     s.listen(1024)
     return s
 
@@ -51,12 +55,18 @@ def listen_socket(host: str, port: int, wait_s: float = 60.0) -> socket.socket:
 def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The groups' store: the master listens on ``host`` only; others connect to it."""
     fd = listen_socket(host, port).detach() if is_master else None
-    return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False, use_libuv=True, **({"master_listen_fd": fd} if is_master else {}))
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=is_master,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        use_libuv=True,
+        **({"master_listen_fd": fd} if is_master else {}),
+    )
 
 
-def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float, *,
-               prefix: str):
+def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float, *, prefix: str):
     """Group ``src`` of ``generation``: ``rank`` among ``world`` members; ``prefix`` from
     ``auth.store_prefix``."""
     prefixed = dist.PrefixStore(f"{prefix}/{generation}/group{src}", store)
@@ -94,7 +104,7 @@ class Packer:
         buf, at = self._staging[:nbytes], 0
         for c in chunks:
             b = c.reshape(-1).contiguous().view(torch.uint8)
-            buf[at:at + b.numel()].copy_(b)
+            buf[at : at + b.numel()].copy_(b)
             at += b.numel()
         return buf
 
@@ -136,14 +146,14 @@ def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
         dtype, item = DTYPES[t.dtype], t.itemsize
         if len(t.spans) == 1:
             (p,) = t.spans
-            raw = buffers[p.src][cursor[p.src]:cursor[p.src] + t.numel * item]
+            raw = buffers[p.src][cursor[p.src] : cursor[p.src] + t.numel * item]
             cursor[p.src] += t.numel * item
             out.append((t.name, raw.view(dtype).view(t.shape)))
             continue
         full = torch.empty(t.numel, dtype=dtype)
         for p in t.spans:
             n = (p.end - p.start) * item
-            full[p.start:p.end] = buffers[p.src][cursor[p.src]:cursor[p.src] + n].view(dtype)
+            full[p.start : p.end] = buffers[p.src][cursor[p.src] : cursor[p.src] + n].view(dtype)
             cursor[p.src] += n
         out.append((t.name, full.view(t.shape)))
     return out

@@ -22,9 +22,16 @@ def init() -> tuple[int, int]:
 def tiny_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
 
@@ -38,8 +45,10 @@ def report(exported: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
     """Compare what the exporter produced with the trainer's working weights; rank 0 prints one
     JSON line (and writes it to $EXAMPLE_RESULT if set)."""
     same = sorted(exported) == sorted(expected) and all(
-        exported[n].dtype == torch.bfloat16 and torch.equal(exported[n].view(torch.int16), expected[n].view(torch.int16))
-        for n in expected)
+        exported[n].dtype == torch.bfloat16
+        and torch.equal(exported[n].view(torch.int16), expected[n].view(torch.int16))
+        for n in expected
+    )
     result = {"example": label, "tensors": len(exported), "bitwise_equal": same, **extra}
     if dist.get_rank() == 0:
         print(json.dumps(result))
@@ -80,6 +89,7 @@ def forward_weights(model, ids) -> dict[str, torch.Tensor]:
 def rtn_mismatch(masters: dict[str, torch.Tensor], working: dict[str, torch.Tensor]) -> float:
     """Fraction of elements where the round-to-nearest cast of the master (what an exporter's
     ``.to(torch.bfloat16)`` sends) differs from the working weight the trainer used."""
-    diff = sum(int((m.to(torch.bfloat16).view(torch.int16) != working[n].view(torch.int16)).sum())
-               for n, m in masters.items())
+    diff = sum(
+        int((m.to(torch.bfloat16).view(torch.int16) != working[n].view(torch.int16)).sum()) for n, m in masters.items()
+    )
     return diff / sum(m.numel() for m in masters.values())

@@ -52,8 +52,14 @@ def main():
         buf = out if rank == 0 else torch.empty_like(out)
         dist.broadcast(buf, src=0)  # the inference side receives rank 0's bits
         received[name] = buf
-    ok = report(received, used, "nemo-rl-dtensor", world=world, key_step=ctx.step,
-                rtn_cast_mismatch=round(rtn_mismatch(masters, used), 4))["bitwise_equal"]
+    ok = report(
+        received,
+        used,
+        "nemo-rl-dtensor",
+        world=world,
+        key_step=ctx.step,
+        rtn_cast_mismatch=round(rtn_mismatch(masters, used), 4),
+    )["bitwise_equal"]
     finish(ok)
 
 

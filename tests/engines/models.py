@@ -8,9 +8,17 @@ def tiny_qwen2():
     with an empty shard, and the 41-row MLP matrices split unevenly at world sizes 2 and 4."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=3, hidden_size=24, intermediate_size=41, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
-                         tie_word_embeddings=False, initializer_range=0.25)
+    config = Qwen2Config(
+        vocab_size=3,
+        hidden_size=24,
+        intermediate_size=41,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
 

@@ -49,9 +49,12 @@ def damaged_copy(src, dst, relative: str, offset: int, mask: int) -> None:
 
 # -- one process ---------------------------------------------------------------------------------
 
+
 def single(precision="bf16-sr"):
-    return SingleEngine(TrainSettings(precision=PrecisionConfig(precision, seed=SEED), distributed=DistributedConfig(),
-                                      lr=1e-2), tiny_qwen2())
+    return SingleEngine(
+        TrainSettings(precision=PrecisionConfig(precision, seed=SEED), distributed=DistributedConfig(), lr=1e-2),
+        tiny_qwen2(),
+    )
 
 
 def step(eng, n=1):
@@ -65,7 +68,7 @@ def pickle_region(path) -> tuple[int, int]:
     """Where ``data.pkl`` (what torch's weights-only loader unpickles) lies in the zip."""
     with zipfile.ZipFile(path) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
-    raw = path.read_bytes()[info.header_offset:info.header_offset + 30]  # the local header: its own extra length
+    raw = path.read_bytes()[info.header_offset : info.header_offset + 30]  # the local header: its own extra length
     start = info.header_offset + 30 + int.from_bytes(raw[26:28], "little") + int.from_bytes(raw[28:30], "little")
     return start, start + info.compress_size
 
@@ -123,6 +126,7 @@ def test_with_every_checkpoint_damaged_the_resume_is_refused_naming_each(tmp_pat
 
 # -- sharded engines -----------------------------------------------------------------------------
 
+
 def _sharded(kind):
     from tests.engines.test_fsdp2 import _fsdp2_engine
 
@@ -130,8 +134,11 @@ def _sharded(kind):
         return _fsdp2_engine()
     from dist_sr.engines.deepspeed.engine import DeepSpeedEngine
 
-    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED), lr=1e-3,
-                             distributed=DistributedConfig(engine="deepspeed", zero_stage=2))
+    settings = TrainSettings(
+        precision=PrecisionConfig("bf16-sr", seed=SEED),
+        lr=1e-3,
+        distributed=DistributedConfig(engine="deepspeed", zero_stage=2),
+    )
     return DeepSpeedEngine(settings, tiny_qwen2())
 
 

@@ -15,8 +15,12 @@ KEY, OTHER = b"k" * 32, b"o" * 32
 
 @pytest.fixture
 def no_secrets(monkeypatch):
-    for name in ("DIST_SR_CHECKPOINT_SECRET", "DIST_SR_CHECKPOINT_SECRET_FILE", "DIST_SR_SYNC_SECRET",
-                 "DIST_SR_SYNC_SECRET_FILE"):
+    for name in (
+        "DIST_SR_CHECKPOINT_SECRET",
+        "DIST_SR_CHECKPOINT_SECRET_FILE",
+        "DIST_SR_SYNC_SECRET",
+        "DIST_SR_SYNC_SECRET_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -30,8 +34,11 @@ def _checkpoint(directory, key):
 
 def _unsigned_manifest(directory):
     """What a writer without the secret can make: SHA-256s that match the files it wrote."""
-    files = {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
     (directory / MANIFEST).write_text(json.dumps({"sha256": files}))
 
 
@@ -74,8 +81,9 @@ def test_without_a_secret_manifests_are_unsigned_and_a_signed_one_asks_for_its_k
     with pytest.raises(CheckpointCorrupt, match="files differ"):
         verify_manifest(d)
     signed = _checkpoint(tmp_path / "b", KEY)
-    with pytest.raises(CheckpointCorrupt, match="signed, but this process has no key to check it: set "
-                                                "DIST_SR_CHECKPOINT_SECRET"):
+    with pytest.raises(
+        CheckpointCorrupt, match="signed, but this process has no key to check it: set DIST_SR_CHECKPOINT_SECRET"
+    ):
         verify_manifest(signed)
 
 

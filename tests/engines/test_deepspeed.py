@@ -30,10 +30,15 @@ LAYOUTS = {
 
 
 def ds_config(layout):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
-            "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "stochastic_rounding": SR_BLOCK, **LAYOUTS[layout]}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10_000,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "stochastic_rounding": SR_BLOCK,
+        **LAYOUTS[layout],
+    }
 
 
 def engine_for(layout):
@@ -156,9 +161,24 @@ def test_universal_checkpoint_reloads_at_another_world_size_with_identical_bits(
 
     run_workers(_save_worker, 2, layout, tmp_path)
     (tmp_path / "universal").mkdir()
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    str(tmp_path / "ckpt"), "--output_folder", str(tmp_path / "universal" / "ckpt_universal"),
-                    "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(tmp_path / "ckpt"),
+            "--output_folder",
+            str(tmp_path / "universal" / "ckpt_universal"),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+            "--inject_missing_state",
+        ],
+        check=True,
+        capture_output=True,
+    )
     (tmp_path / "universal" / "latest_universal").write_text("ckpt_universal")
     run_workers(_load_universal_worker, load_world, layout, tmp_path)
 
@@ -225,18 +245,25 @@ def test_config_file_path_is_accepted(tmp_path):
     assert config["zero_optimization"]["stage"] == 3 and sr.seed == SEED
 
 
-@pytest.mark.parametrize("precision,expect", [
-    ("fp32", (None, None, None)),
-    ("fp16", (None, True, None)),
-    ("bf16", (True, None, None)),
-    ({"precision": "bf16-sr", "seed": 9}, (True, None, {"enabled": True, "seed": 9, "mode": "stochastic"})),
-    ("bf16-dither", (True, None, {"enabled": True, "seed": 0, "mode": "dither"})),
-])
+@pytest.mark.parametrize(
+    "precision,expect",
+    [
+        ("fp32", (None, None, None)),
+        ("fp16", (None, True, None)),
+        ("bf16", (True, None, None)),
+        ({"precision": "bf16-sr", "seed": 9}, (True, None, {"enabled": True, "seed": 9, "mode": "stochastic"})),
+        ("bf16-dither", (True, None, {"enabled": True, "seed": 0, "mode": "dither"})),
+    ],
+)
 def test_precision_switch_selects_the_deepspeed_behaviour(precision, expect):
     from dist_sr.engines.deepspeed import config_for_precision
 
     config = config_for_precision(precision, ds_config("zero2"))
-    got = (config.get("bf16", {}).get("enabled"), config.get("fp16", {}).get("enabled"), config.get("stochastic_rounding"))
+    got = (
+        config.get("bf16", {}).get("enabled"),
+        config.get("fp16", {}).get("enabled"),
+        config.get("stochastic_rounding"),
+    )
     assert got == expect
 
 
@@ -248,7 +275,9 @@ def test_pure_bf16_precision_is_refused_for_deepspeed():
         config_for_precision("bf16-pure-sr", ds_config("zero2"))
 
 
-REPO_CONFIGS = sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "deepspeed").glob("*.json"))
+REPO_CONFIGS = sorted(
+    (__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "deepspeed").glob("*.json")
+)
 
 
 def _repo_config_worker(rank, world_size, path):
@@ -275,9 +304,12 @@ def _our_engine(stage=2):
     from dist_sr.engines.deepspeed.engine import DeepSpeedEngine
     from dist_sr.precision import PrecisionConfig
 
-    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED),
-                             distributed=DistributedConfig(engine="deepspeed", zero_stage=stage), lr=1e-2,
-                             batch_per_rank=2)
+    settings = TrainSettings(
+        precision=PrecisionConfig("bf16-sr", seed=SEED),
+        distributed=DistributedConfig(engine="deepspeed", zero_stage=stage),
+        lr=1e-2,
+        batch_per_rank=2,
+    )
     return DeepSpeedEngine(settings, tiny_qwen2())
 
 
@@ -305,11 +337,16 @@ def _guard_load_worker(rank, world_size, path, expect):
 
     eng = _our_engine()
     if expect == "digest":
-        with pytest.raises(RuntimeError, match=r"step2/mp_rank_00_model_states.pt: after loading, the working weights "
-                                               r"have digest .* the checkpoint recorded"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"step2/mp_rank_00_model_states.pt: after loading, the working weights "
+            r"have digest .* the checkpoint recorded",
+        ):
             eng.load(path)
     elif expect == "corrupt":
-        with pytest.raises(CheckpointCorrupt, match=r"step2: files differ from those written: \['[^']*optim_states.pt'\]"):
+        with pytest.raises(
+            CheckpointCorrupt, match=r"step2: files differ from those written: \['[^']*optim_states.pt'\]"
+        ):
             eng.load(path)
     else:
         assert eng.load(path) == 2 and eng.digest() == eng.expected_digest()

@@ -16,9 +16,14 @@ deepspeed = pytest.importorskip("deepspeed")
 from dist_sr.engines.deepspeed.hook import take_sr_block  # noqa: E402
 
 SR = {"enabled": True, "seed": 77, "mode": "stochastic"}
-BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
-        "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "steps_per_print": 10_000,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}
 
 
 def test_a_config_without_the_block_passes_through_untouched(tmp_path, monkeypatch):
@@ -99,9 +104,11 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 def test_the_pth_line_patches_deepspeed_at_import_and_tolerates_a_missing_package(tmp_path):
     hook.install(str(tmp_path))
     # (the environment's own .pth may have registered the hook already: start from none)
-    probe = ("import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
-             "{pre}site.addsitedir({d!r}); import deepspeed; "
-             "print('hooked' if getattr(deepspeed.initialize, '__dist_sr_hook__', False) else 'plain')")
+    probe = (
+        "import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
+        "{pre}site.addsitedir({d!r}); import deepspeed; "
+        "print('hooked' if getattr(deepspeed.initialize, '__dist_sr_hook__', False) else 'plain')"
+    )
     r = _python(probe.format(d=str(tmp_path), pre=""))
     assert r.stdout.strip().splitlines()[-1] == "hooked", r.stderr
     r = _python(probe.format(d=str(tmp_path), pre=""), DIST_SR_DEEPSPEED_HOOK="0")
@@ -112,7 +119,7 @@ def test_the_pth_line_patches_deepspeed_at_import_and_tolerates_a_missing_packag
     assert hook.uninstall(str(tmp_path)) == str(tmp_path / hook.PTH_NAME) and hook.uninstall(str(tmp_path)) is None
 
 
-USER_SCRIPT = '''
+USER_SCRIPT = """
 import argparse, json
 import deepspeed, torch
 from tests.engines.models import tiny_qwen2
@@ -139,7 +146,7 @@ keyed = all(torch.equal(w.view(torch.int16), stochastic_round(m, seed=77, step=e
 rtn = all(torch.equal(w, m.to(torch.bfloat16)) for w, m in state.values())
 if engine.global_rank == 0:
     json.dump({"attached": hasattr(engine, "dist_sr"), "keyed": keyed, "rtn": rtn}, open(args.out, "w"))
-'''
+"""
 
 
 @pytest.fixture
@@ -162,13 +169,30 @@ def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, in
     env = {k: v for k, v in launcher_env().items() if k not in ("DIST_SR_SEED", "DIST_SR_MODE")}
     results = {}
     # the block in the JSON; no block but the job's DIST_SR_SEED (OpenRLHF's switch); the hook off
-    for label, config, extra in (("hook", "ds.json", {"DIST_SR_DEEPSPEED_HOOK": "1"}),
-                                 ("env", "plain.json", {"DIST_SR_SEED": "77"}),
-                                 ("off", "ds.json", {"DIST_SR_DEEPSPEED_HOOK": "0"})):
+    for label, config, extra in (
+        ("hook", "ds.json", {"DIST_SR_DEEPSPEED_HOOK": "1"}),
+        ("env", "plain.json", {"DIST_SR_SEED": "77"}),
+        ("off", "ds.json", {"DIST_SR_DEEPSPEED_HOOK": "0"}),
+    ):
         out = tmp_path / f"{label}.json"
-        r = subprocess.run(["deepspeed", "--num_gpus=2", f"--master_port={free_port()}", "train.py", "--deepspeed",
-                            "--deepspeed_config", config, "--out", str(out)], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env={**env, **extra})
+        r = subprocess.run(
+            [
+                "deepspeed",
+                "--num_gpus=2",
+                f"--master_port={free_port()}",
+                "train.py",
+                "--deepspeed",
+                "--deepspeed_config",
+                config,
+                "--out",
+                str(out),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**env, **extra},
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         results[label] = json.loads(out.read_text())
     assert results["hook"] == results["env"] == {"attached": True, "keyed": True, "rtn": False}
@@ -176,7 +200,7 @@ def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, in
     assert results["off"] == {"attached": False, "keyed": False, "rtn": True}
 
 
-HF_SCRIPT = '''
+HF_SCRIPT = """
 import json, os, sys, torch
 from transformers import Trainer, TrainingArguments
 from tests.engines.models import tiny_qwen2
@@ -211,7 +235,7 @@ torch.distributed.barrier()
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -220,13 +244,28 @@ def test_the_hugging_face_trainer_with_deepspeed_gets_keyed_sr_from_its_json(tmp
     accelerate; with the hook, the block in it is honoured: HF's "auto" values and all."""
     pytest.importorskip("accelerate")
     (tmp_path / "train.py").write_text(HF_SCRIPT)
-    (tmp_path / "ds.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
-        "stochastic_rounding": SR}))
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "bf16": {"enabled": "auto"},
+                "zero_optimization": {"stage": 2},
+                "gradient_clipping": "auto",
+                "stochastic_rounding": SR,
+            }
+        )
+    )
     env = launcher_env()
-    r = subprocess.run(["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", "train.py", "result.json"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        ["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", "train.py", "result.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((tmp_path / "result.json").read_text()) == {"attached": True, "steps": 3, "keyed": True}
 
@@ -234,9 +273,11 @@ def test_the_hugging_face_trainer_with_deepspeed_gets_keyed_sr_from_its_json(tmp
 def test_a_broken_dist_sr_install_fails_the_deepspeed_import_with_the_fix(tmp_path):
     """With the hook on, deepspeed must not come up without SR support (RTN for SR configs)."""
     hook.install(str(tmp_path))
-    code = ("import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
-            f"site.addsitedir({str(tmp_path)!r}); sys.modules['dist_sr.engines.deepspeed.hook'] = None; "
-            "import deepspeed")
+    code = (
+        "import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
+        f"site.addsitedir({str(tmp_path)!r}); sys.modules['dist_sr.engines.deepspeed.hook'] = None; "
+        "import deepspeed"
+    )
     r = _python(code)
     assert r.returncode != 0 and "could not import dist_sr" in r.stderr and "deepspeed-hook uninstall" in r.stderr
     assert _python(code, DIST_SR_DEEPSPEED_HOOK="0").returncode == 0
@@ -268,7 +309,9 @@ def _reference_model_worker(rank, world, out):
         ref_config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
         ref, *_ = init(model=tiny_qwen2(), config=ref_config)
         with deepspeed.zero.GatheredParameters(list(ref.module.parameters()), enabled=stage == 3):
-            as_loaded = all(torch.equal(p.detach().to(torch.bfloat16), loaded[n]) for n, p in ref.module.named_parameters())
+            as_loaded = all(
+                torch.equal(p.detach().to(torch.bfloat16), loaded[n]) for n, p in ref.module.named_parameters()
+            )
         result[stage] = {"policy": hasattr(engine, "dist_sr"), "ref": hasattr(ref, "dist_sr"), "as_loaded": as_loaded}
     result["log"] = seen
     with open(out, "w") as f:

@@ -62,7 +62,9 @@ def check_offsets_against_dtensor(model, world_size):
         local = distribute_tensor(index, p.device_mesh, p.placements, src_data_rank=None).to_local()
         offset, row_stride, _ = shard_layout(tuple(p.shape), tuple(local.shape), world_size, rank)
         if local.numel():
-            assert row_stride is None and torch.equal(local.flatten(), torch.arange(offset, offset + local.numel())), name
+            assert row_stride is None and torch.equal(local.flatten(), torch.arange(offset, offset + local.numel())), (
+                name
+            )
 
 
 def _bits_worker(rank, world_size, out_dir, replicate=1):
@@ -174,8 +176,14 @@ def _switch_worker(rank, world_size, precision, mode, seed):
         assert torch.equal(w.view(torch.int16), expected.view(torch.int16)), name
 
 
-@pytest.mark.parametrize("precision,mode,seed", [("bf16", "nearest", 0), ("bf16-dither", "dither", 0),
-                                                 ({"precision": "bf16-sr", "seed": 1234}, "stochastic", 1234)])
+@pytest.mark.parametrize(
+    "precision,mode,seed",
+    [
+        ("bf16", "nearest", 0),
+        ("bf16-dither", "dither", 0),
+        ({"precision": "bf16-sr", "seed": 1234}, "stochastic", 1234),
+    ],
+)
 def test_precision_switch_selects_the_fsdp2_behaviour(precision, mode, seed):
     """The rounding each precision names, with the configured seed (literals, not read back from
     the object under test), in the bits the all-gather delivers."""
@@ -188,7 +196,9 @@ def test_hsdp_gives_the_bits_of_unsharded_rounding(tmp_path):
     element once."""
     run_workers(_bits_worker, 1, tmp_path)
     run_workers(_bits_worker, 4, tmp_path, 2)
-    assert json.loads((tmp_path / "world4-replicate2.json").read_text()) == json.loads((tmp_path / "world1.json").read_text())
+    assert json.loads((tmp_path / "world4-replicate2.json").read_text()) == json.loads(
+        (tmp_path / "world1.json").read_text()
+    )
 
 
 def _pure_worker(rank, world_size, precision, out_dir, replicate=1):
@@ -284,8 +294,11 @@ def _digest_paths_worker(rank, world_size):
     from dist_sr.engines.fsdp2.engine import FSDP2Engine
     from dist_sr.precision import PrecisionConfig
 
-    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED), lr=1e-3,
-                             distributed=DistributedConfig(engine="fsdp2", fsdp2={"shard_modules": ["Qwen2DecoderLayer"]}))
+    settings = TrainSettings(
+        precision=PrecisionConfig("bf16-sr", seed=SEED),
+        lr=1e-3,
+        distributed=DistributedConfig(engine="fsdp2", fsdp2={"shard_modules": ["Qwen2DecoderLayer"]}),
+    )
     eng = FSDP2Engine(settings, tiny_qwen2())
     ids = batch()
     for _ in range(2):
@@ -323,8 +336,11 @@ def _fsdp2_engine():
     from dist_sr.engines.fsdp2.engine import FSDP2Engine
     from dist_sr.precision import PrecisionConfig
 
-    settings = TrainSettings(precision=PrecisionConfig("bf16-sr", seed=SEED), lr=1e-3,
-                             distributed=DistributedConfig(engine="fsdp2", fsdp2={"shard_modules": ["Qwen2DecoderLayer"]}))
+    settings = TrainSettings(
+        precision=PrecisionConfig("bf16-sr", seed=SEED),
+        lr=1e-3,
+        distributed=DistributedConfig(engine="fsdp2", fsdp2={"shard_modules": ["Qwen2DecoderLayer"]}),
+    )
     return FSDP2Engine(settings, tiny_qwen2())
 
 
@@ -343,8 +359,11 @@ def _manifest_save_worker(rank, world_size, path):
 
 def _manifest_load_worker(rank, world_size, path, why="files differ"):
     eng = _fsdp2_engine()
-    with pytest.warns(RuntimeWarning, match=rf"resuming from .*step1; refused newer .*: .*step2: .*{why}") \
-            if rank == 0 else _no_warning_check():
+    with (
+        pytest.warns(RuntimeWarning, match=rf"resuming from .*step1; refused newer .*: .*step2: .*{why}")
+        if rank == 0
+        else _no_warning_check()
+    ):
         assert eng.load(path) == 1
     assert eng.expected_digest() == json.loads((path / "digests.json").read_text())["1"]
 
@@ -389,8 +408,11 @@ def test_a_checkpoint_planted_without_the_secret_is_never_unpickled(tmp_path):
     step2 = tmp_path / "fsdp2" / "step2"
     marker = tmp_path / "planted-pickle-ran"
     (step2 / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
-    files = {str(p.relative_to(step2)): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(step2.rglob("*")) if p.is_file() and p.name != "MANIFEST.json"}
+    files = {
+        str(p.relative_to(step2)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(step2.rglob("*"))
+        if p.is_file() and p.name != "MANIFEST.json"
+    }
     (step2 / "MANIFEST.json").write_text(json.dumps({"sha256": files}))
     run_workers(_manifest_load_worker, 2, tmp_path, "MANIFEST.json is not signed")
     assert not marker.exists()

@@ -13,8 +13,10 @@ from tests.engines.models import tiny_qwen2
 
 
 def engine(precision="bf16-sr"):
-    return SingleEngine(TrainSettings(precision=PrecisionConfig(precision, seed=3), distributed=DistributedConfig(),
-                                      lr=1e-2), tiny_qwen2())
+    return SingleEngine(
+        TrainSettings(precision=PrecisionConfig(precision, seed=3), distributed=DistributedConfig(), lr=1e-2),
+        tiny_qwen2(),
+    )
 
 
 def trained(steps=2):
@@ -80,8 +82,11 @@ def test_a_corrupted_latest_falls_back_to_the_previous_checkpoint_and_says_so(tm
     assert (tmp_path / "checkpoint.prev.pt").exists()
     _tamper(tmp_path / "checkpoint.pt", _flip_moment, fix_digest=False)
     again = engine()
-    with pytest.warns(RuntimeWarning, match=r"resuming from .*checkpoint.prev.pt \(step 2\); refused newer .*: "
-                                            r"checkpoint.pt: .*content digest differs"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"resuming from .*checkpoint.prev.pt \(step 2\); refused newer .*: "
+        r"checkpoint.pt: .*content digest differs",
+    ):
         assert again.load(tmp_path) == 2
     assert again.digest() == again.expected_digest()
 

@@ -16,9 +16,14 @@ EXAMPLES = REPO / "examples" / "frameworks"
 
 def run(tmp_path, script: str, *args: str) -> dict:
     out = tmp_path / "result.json"
-    r = subprocess.run(["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", str(EXAMPLES / script),
-                        *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env={**launcher_env(), "EXAMPLE_RESULT": str(out)})
+    r = subprocess.run(
+        ["torchrun", "--nproc-per-node", "2", f"--master-port={free_port()}", str(EXAMPLES / script), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**launcher_env(), "EXAMPLE_RESULT": str(out)},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return json.loads(out.read_text())
 

@@ -16,10 +16,25 @@ pytestmark = pytest.mark.slow
 
 def run_example(tmp_path, nproc: int, *args: str) -> dict:
     out = tmp_path / "result.json"
-    cmd = ["torchrun", "--nproc-per-node", str(nproc), f"--master-port={free_port()}",
-           str(REPO / "tests" / "integrations" / "trl_run.py"), str(out), "--output-dir", str(tmp_path / "run"), *args]
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={**launcher_env(), "DIST_SR_DEEPSPEED_HOOK": "1"})
+    cmd = [
+        "torchrun",
+        "--nproc-per-node",
+        str(nproc),
+        f"--master-port={free_port()}",
+        str(REPO / "tests" / "integrations" / "trl_run.py"),
+        str(out),
+        "--output-dir",
+        str(tmp_path / "run"),
+        *args,
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**launcher_env(), "DIST_SR_DEEPSPEED_HOOK": "1"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -83,6 +98,7 @@ def _fsdp2_worker(rank, world_size):
         fully_shard(layer, mp_policy=plugin.mixed_precision_policy)
     fully_shard(model, mp_policy=plugin.mixed_precision_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
     class Trainer:  # what the callback reads of the trainer
         model_wrapped = model
         accelerator = Accelerator(cpu=True)
@@ -120,8 +136,11 @@ def _fsdp2_worker(rank, world_size):
     async_trainer.model, async_trainer.accelerator = model, accelerator
     reshard_all(model)  # the FP32 masters, as its __init__ sees the parameters (the forward above left them gathered)
     manifest = [(n, str(p.dtype).split(".")[-1]) for n, p in _iter_vllm_named_params(model)]  # as its __init__ does
-    async_trainer.weight_transfer = type("Client", (), {"_weight_update_info": {
-        "names": [n for n, _ in manifest], "dtype_names": [d for _, d in manifest]}})()
+    async_trainer.weight_transfer = type(
+        "Client",
+        (),
+        {"_weight_update_info": {"names": [n for n, _ in manifest], "dtype_names": [d for _, d in manifest]}},
+    )()
     streamed = {n: t.clone() for n, t in async_trainer._streaming_iter()}
     assert sorted(streamed) == sorted(expected)
     for n, d in manifest:  # the manifest's FP32, holding exactly the keyed BF16 values vLLM's cast keeps

@@ -36,15 +36,25 @@ def main():
     seed = trl_grpo.parse(argv).seed
     masters = {n: m for n, (_, m) in working_and_master(engine).items()}
     sent = pushed(trainer)
-    keyed = all(torch.equal(sent[n].view(torch.int16),
-                            stochastic_round(m, seed=seed, step=engine.global_steps, param=n).view(torch.int16))
-                for n, m in masters.items())
-    result = {"steps": engine.global_steps, "attached": hasattr(engine, "dist_sr"), "names": sorted(sent) == sorted(masters),
-              "keyed": keyed, "moved": engine.global_steps > 0 and any(
-                  not torch.equal(a, b) for a, b in zip(sent.values(), masters.values())),
-              "logged": sorted({k for h in trainer.state.log_history for k in h if k.startswith("dist_sr/")}),
-              "unfollowed": [h["dist_sr/unfollowed_frac"] for h in trainer.state.log_history
-                             if "dist_sr/unfollowed_frac" in h]}
+    keyed = all(
+        torch.equal(
+            sent[n].view(torch.int16),
+            stochastic_round(m, seed=seed, step=engine.global_steps, param=n).view(torch.int16),
+        )
+        for n, m in masters.items()
+    )
+    result = {
+        "steps": engine.global_steps,
+        "attached": hasattr(engine, "dist_sr"),
+        "names": sorted(sent) == sorted(masters),
+        "keyed": keyed,
+        "moved": engine.global_steps > 0
+        and any(not torch.equal(a, b) for a, b in zip(sent.values(), masters.values())),
+        "logged": sorted({k for h in trainer.state.log_history for k in h if k.startswith("dist_sr/")}),
+        "unfollowed": [
+            h["dist_sr/unfollowed_frac"] for h in trainer.state.log_history if "dist_sr/unfollowed_frac" in h
+        ],
+    }
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
         import deepspeed
@@ -55,8 +65,9 @@ def main():
         expect = {n: t.to(torch.bfloat16) for n, t in loaded.items()}
         params = list(ref.module.named_parameters())
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            result["ref_as_loaded"] = all(torch.equal(p.detach().view(torch.int16), expect[n].view(torch.int16))
-                                          for n, p in params)
+            result["ref_as_loaded"] = all(
+                torch.equal(p.detach().view(torch.int16), expect[n].view(torch.int16)) for n, p in params
+            )
         result["ref_attached"] = hasattr(ref, "dist_sr")
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(result))

@@ -33,20 +33,23 @@ def test_the_launchers_environment_and_deepspeeds_local_rank_argument_are_read(t
     assert _plan(["--config", str(cfg)], cuda=True).backend == "nccl"
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["--config", "missing.yaml"], {}, "no such file"),
-    (["--deepspeed_config", "missing.json"], {}, "no such file"),
-    ([], {"WORLD_SIZE": "2"}, "engine is 'single'"),
-    (["--engine", "fsdp2"], {"WORLD_SIZE": "3"}, "does not split over world size 3"),
-    (["--engine", "fsdp2", "--backend", "nccl"], {}, "needs CUDA"),
-    (["--engine", "fsdp2", "--deepspeed_config", DS_SR], {}, "only drives distributed.engine=deepspeed"),
-    (["--deepspeed_config", DS_SR, "--set", "precision=bf16"], {}, "contradicts"),
-    (["--deepspeed_config", DS_SR, "--set", "precision={precision: bf16-sr, seed: 5}"], {}, "seed 1234"),
-    (["--set", "precision=bf17"], {}, "unknown precision 'bf17'"),
-    (["--set", "cluster.launcher=mpirun"], {}, "cluster.launcher"),
-    (["--engine", "fsdp2", "--set", "distributed.fsdp2={replicate: 3}"], {"WORLD_SIZE": "4"}, "does not divide"),
-    (["--set", "distributed.fsdp2={replicate: 0}"], {}, "positive int"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--config", "missing.yaml"], {}, "no such file"),
+        (["--deepspeed_config", "missing.json"], {}, "no such file"),
+        ([], {"WORLD_SIZE": "2"}, "engine is 'single'"),
+        (["--engine", "fsdp2"], {"WORLD_SIZE": "3"}, "does not split over world size 3"),
+        (["--engine", "fsdp2", "--backend", "nccl"], {}, "needs CUDA"),
+        (["--engine", "fsdp2", "--deepspeed_config", DS_SR], {}, "only drives distributed.engine=deepspeed"),
+        (["--deepspeed_config", DS_SR, "--set", "precision=bf16"], {}, "contradicts"),
+        (["--deepspeed_config", DS_SR, "--set", "precision={precision: bf16-sr, seed: 5}"], {}, "seed 1234"),
+        (["--set", "precision=bf17"], {}, "unknown precision 'bf17'"),
+        (["--set", "cluster.launcher=mpirun"], {}, "cluster.launcher"),
+        (["--engine", "fsdp2", "--set", "distributed.fsdp2={replicate: 3}"], {"WORLD_SIZE": "4"}, "does not divide"),
+        (["--set", "distributed.fsdp2={replicate: 0}"], {}, "positive int"),
+    ],
+)
 def test_bad_configs_and_worlds_fail_before_any_process_group(argv, env, message):
     with pytest.raises(ConfigError, match=message):
         _plan(argv, env=env)
@@ -63,7 +66,7 @@ def test_a_deepspeed_json_sets_the_precision_when_the_experiment_has_none(tmp_pa
     ds["bf16"]["enabled"] = False
     ds["stochastic_rounding"] = {"enabled": True, "seed": 1}
     (tmp_path / "bad.json").write_text(json.dumps(ds))
-    with pytest.raises(ConfigError, match="not \"bf16\""):
+    with pytest.raises(ConfigError, match='not "bf16"'):
         _plan(["--deepspeed_config", str(tmp_path / "bad.json")])
 
 
@@ -101,11 +104,29 @@ def _metrics(run_dir):
 
 @pytest.mark.slow
 def test_torchrun_runs_a_two_process_fsdp2_job(tmp_path, launch_env, warmup_cache):
-    cfg = write_experiment(tmp_path / "e.yaml", distributed={"engine": "fsdp2"}, output_dir=str(tmp_path / "run"),
-                           warmup={"cache_dir": warmup_cache})
-    r = subprocess.run(["torchrun", "--nnodes=1", "--nproc-per-node=2", f"--master-port={free_port()}", ENTRY,
-                        "--config", str(cfg), "--no-progress"], env=launch_env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
+    cfg = write_experiment(
+        tmp_path / "e.yaml",
+        distributed={"engine": "fsdp2"},
+        output_dir=str(tmp_path / "run"),
+        warmup={"cache_dir": warmup_cache},
+    )
+    r = subprocess.run(
+        [
+            "torchrun",
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            f"--master-port={free_port()}",
+            ENTRY,
+            "--config",
+            str(cfg),
+            "--no-progress",
+        ],
+        env=launch_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "engine=fsdp2 backend=gloo world=2 rank=0" in r.stdout
     rows = _metrics(tmp_path / "run")
@@ -114,15 +135,34 @@ def test_torchrun_runs_a_two_process_fsdp2_job(tmp_path, launch_env, warmup_cach
 
 @pytest.mark.slow
 def test_deepspeed_launcher_runs_a_two_process_zero2_job(tmp_path, launch_env, warmup_cache):
-    cfg = write_experiment(tmp_path / "e.yaml", distributed={"engine": "deepspeed"},
-                           output_dir=str(tmp_path / "run"), warmup={"cache_dir": warmup_cache})
+    cfg = write_experiment(
+        tmp_path / "e.yaml",
+        distributed={"engine": "deepspeed"},
+        output_dir=str(tmp_path / "run"),
+        warmup={"cache_dir": warmup_cache},
+    )
     cfg.write_text(cfg.read_text().replace("precision: bf16-sr\n", ""))
     data = yaml.safe_load(cfg.read_text())
     del data["grpo"]["lr"]  # no lr and no precision in the experiment: both come from the JSON
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-    r = subprocess.run(["deepspeed", "--num_gpus=2", f"--master_port={free_port()}", ENTRY, "--config", str(cfg),
-                        "--deepspeed_config", DS_SR, "--no-progress"], env=launch_env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            "deepspeed",
+            "--num_gpus=2",
+            f"--master_port={free_port()}",
+            ENTRY,
+            "--config",
+            str(cfg),
+            "--deepspeed_config",
+            DS_SR,
+            "--no-progress",
+        ],
+        env=launch_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "engine=deepspeed backend=gloo world=2 rank=0" in r.stdout
     assert "--local_rank=1" in r.stdout + r.stderr  # the launcher's argument reached the entry point

@@ -15,8 +15,11 @@ from tests.launch.conftest import REPO
 
 kv = pytest.importorskip("kubernetes_validate")
 KUBERNETES = "1.33"  # the schema version the manifests are validated against
-EXPERIMENTS = sorted(p for pattern in ("quickstart.yaml", "precision-*.yaml", "grpo-*.yaml", "multinode-*.yaml")
-                     for p in (REPO / "configs").glob(pattern))
+EXPERIMENTS = sorted(
+    p
+    for pattern in ("quickstart.yaml", "precision-*.yaml", "grpo-*.yaml", "multinode-*.yaml")
+    for p in (REPO / "configs").glob(pattern)
+)
 
 
 def _render(config: Path, *sets: str, tmp_path: Path) -> dict[str, list[dict]]:
@@ -43,8 +46,9 @@ def _expand(arg: str, env: dict) -> str:
 def test_every_config_renders_to_schema_valid_manifests(config, tmp_path):
     sets = ["cluster.nnodes=2"] if "engine: fsdp2" in config.read_text() or "deepspeed" in config.name else []
     files = _render(config, *sets, tmp_path=tmp_path)
-    assert sorted(files["kustomization.yaml"][0]["resources"]) == \
-        sorted(n for n in files if n not in ("kustomization.yaml", k8s.SECRET_FILE))
+    assert sorted(files["kustomization.yaml"][0]["resources"]) == sorted(
+        n for n in files if n not in ("kustomization.yaml", k8s.SECRET_FILE)
+    )
     for objs in files.values():
         for obj in objs:
             if obj["kind"] != "Kustomization":
@@ -71,7 +75,7 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
     env["NODE_RANK"] = "1"
     argv = [_expand(a, env) for a in container["command"]]
     entry = argv.index(k8s.ENTRY)
-    launcher_args, entry_args = argv[1:entry], argv[entry + 1:]
+    launcher_args, entry_args = argv[1:entry], argv[entry + 1 :]
     assert argv[0] == launcher
 
     # The launcher's own parser accepts its part; world size and port match the objects.
@@ -79,8 +83,13 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
         from torch.distributed.run import get_args_parser
 
         la = get_args_parser().parse_args(launcher_args + [k8s.ENTRY])
-        nnodes, nproc, node_rank, addr, port = int(la.nnodes), int(la.nproc_per_node), la.node_rank, \
-            la.master_addr, la.master_port
+        nnodes, nproc, node_rank, addr, port = (
+            int(la.nnodes),
+            int(la.nproc_per_node),
+            la.node_rank,
+            la.master_addr,
+            la.master_port,
+        )
     else:
         from deepspeed.launcher.runner import parse_args
 
@@ -97,8 +106,11 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
     svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
     container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert int(port) == svc_ports["rendezvous"] == container_ports["rendezvous"]
-    assert all(svc["spec"]["selector"][k] == v for k, v in job["spec"]["template"]["metadata"]["labels"].items()
-               if k in svc["spec"]["selector"])
+    assert all(
+        svc["spec"]["selector"][k] == v
+        for k, v in job["spec"]["template"]["metadata"]["labels"].items()
+        if k in svc["spec"]["selector"]
+    )
     assert container["resources"]["limits"]["nvidia.com/gpu"] == nproc
 
     # The entry point's parser accepts its part, and the mounted config plans on that world.
@@ -119,8 +131,10 @@ def test_the_trainer_command_is_what_the_entry_point_and_launcher_accept(launche
     (sts,) = _objects(files, "StatefulSet")
     fleet = p.config.rollout.vllm
     vsvc = next(s for s in _objects(files, "Service") if s["metadata"]["name"] == sts["spec"]["serviceName"])
-    assert fleet.urls == [f"http://{sts['metadata']['name']}-{i}.{vsvc['metadata']['name']}:{fleet.port}"
-                          for i in range(sts["spec"]["replicas"])]
+    assert fleet.urls == [
+        f"http://{sts['metadata']['name']}-{i}.{vsvc['metadata']['name']}:{fleet.port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
     assert fleet.group_host == addr and fleet.group_port in [p["port"] for p in svc["spec"]["ports"]]
     (vc,) = sts["spec"]["template"]["spec"]["containers"]
     serve = shlex.split(vc["command"][-1].split("exec ", 1)[1])
@@ -146,11 +160,14 @@ def test_every_job_denies_by_default_and_allows_only_its_peers(config, tmp_path)
     policies = _policies(files)
     (deny,) = [p for p in policies.values() if "ingress" not in p and "egress" not in p]
     assert deny["policyTypes"] == ["Ingress", "Egress"]  # no rule: nothing in, nothing out
-    assert all(all(deny["podSelector"]["matchLabels"][k] == labels[k] for k in deny["podSelector"]["matchLabels"])
-               for labels in pods)  # every pod of the job is selected
+    assert all(
+        all(deny["podSelector"]["matchLabels"][k] == labels[k] for k in deny["podSelector"]["matchLabels"])
+        for labels in pods
+    )  # every pod of the job is selected
     allowed = [p for p in policies.values() if p is not deny]
-    assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in allowed) == \
-        sorted(["trainer"] + ["rollout"] * len(sts))
+    assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in allowed) == sorted(
+        ["trainer"] + ["rollout"] * len(sts)
+    )
     for p in allowed:
         assert p["policyTypes"] == ["Ingress", "Egress"]
         sources = [peer["podSelector"]["matchLabels"] for rule in p["ingress"] for peer in rule["from"]]
@@ -198,16 +215,20 @@ def test_committed_manifests_match_a_fresh_render(tmp_path, monkeypatch):
 
 def test_a_world_the_config_cannot_use_fails_at_render_time(tmp_path, capsys):
     out = tmp_path / "manifests"
-    assert k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=3",
-                     "-o", str(out)]) == 2
+    assert (
+        k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=3", "-o", str(out)])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "prompts_per_step=32 does not split over world size 3" in err and "multiple of 3" in err
     assert not out.exists()  # nothing half-rendered
     with pytest.raises(ConfigError, match="DNS-1035"):
         k8s.load_for_cluster(build_parser().parse_args(["--set", "cluster.name=Bad_Name"]))
     # the same config at a world it splits over renders
-    assert k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=2",
-                     "-o", str(out)]) == 0
+    assert (
+        k8s.main(["--config", str(REPO / "configs" / "grpo-fsdp2.yaml"), "--set", "cluster.nnodes=2", "-o", str(out)])
+        == 0
+    )
     assert list(out.iterdir())
 
 
@@ -235,7 +256,8 @@ def test_a_model_path_with_spaces_or_shell_characters_stays_one_argument():
         cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml", {"model.path": path})
         words = shlex.split(k8s.vllm_command(cfg)[2])
         assert words[:4] == ["exec", "vllm", "serve", path], words[:6]
-    cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml", {"cluster.data_dir": "/data dir", "model.path": None})
+    cfg = load_experiment(
+        REPO / "configs" / "multinode-vllm.yaml", {"cluster.data_dir": "/data dir", "model.path": None}
+    )
     script = k8s.vllm_command(cfg)[2]
-    assert "'/data dir/snapshots/" in script and shlex.split(script.split("; do")[0])[:3] == [
-        "until", "[", "-e"]
+    assert "'/data dir/snapshots/" in script and shlex.split(script.split("; do")[0])[:3] == ["until", "[", "-e"]

@@ -62,11 +62,12 @@ def _expand(arg: str, env: dict) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
 
-def test_two_namespaced_nodes_train_over_gloo_through_the_service_name(two_nodes, tmp_path, launch_env,
-                                                                       warmup_cache):
-    exp = write_experiment(tmp_path / "exp.yaml", distributed={"engine": "fsdp2"},
-                           cluster={"name": "dsr-test", "nnodes": 2, "nproc_per_node": 1,
-                                    "data_dir": str(tmp_path / "data")})
+def test_two_namespaced_nodes_train_over_gloo_through_the_service_name(two_nodes, tmp_path, launch_env, warmup_cache):
+    exp = write_experiment(
+        tmp_path / "exp.yaml",
+        distributed={"engine": "fsdp2"},
+        cluster={"name": "dsr-test", "nnodes": 2, "nproc_per_node": 1, "data_dir": str(tmp_path / "data")},
+    )
     files = k8s.render(_load(exp))
     job = files["trainer-job.yaml"][0]
     pod = job["spec"]["template"]["spec"]
@@ -80,7 +81,8 @@ def test_two_namespaced_nodes_train_over_gloo_through_the_service_name(two_nodes
 
     job_name, service = job["metadata"]["name"], pod["subdomain"]
     hosts = "127.0.0.1 localhost\n" + "".join(
-        f"{SUBNET}.{i + 1} {job_name}-{i}.{service} {job_name}-{i}\n" for i in range(2))
+        f"{SUBNET}.{i + 1} {job_name}-{i}.{service} {job_name}-{i}\n" for i in range(2)
+    )
     procs = []
     try:
         for index, ns in enumerate(two_nodes):
@@ -90,11 +92,28 @@ def test_two_namespaced_nodes_train_over_gloo_through_the_service_name(two_nodes
             env["NODE_RANK"] = str(index)  # the completion-index annotation's value on pod <index>
             command = [_expand(a, env).replace(k8s.CONFIG_MOUNT, str(config_dir)) for a in container["command"]]
             hostname = f"{job_name}-{index}"
-            wrapped = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                       f'hostname {hostname} && exec "$@"', "sh", *command]
+            wrapped = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f'hostname {hostname} && exec "$@"',
+                "sh",
+                *command,
+            ]
             log = open(tmp_path / f"node{index}.log", "w")
-            procs.append((subprocess.Popen(wrapped, cwd=REPO, env={**launch_env, **env}, stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        wrapped, cwd=REPO, env={**launch_env, **env}, stdout=log, stderr=subprocess.STDOUT
+                    ),
+                    log,
+                )
+            )
         for p, log in procs:
             p.wait(timeout=600)
             log.close()

@@ -13,8 +13,12 @@ from tests.conftest import bits16
 
 def state(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6,
-            torch.randn(n, generator=g))
+    return (
+        torch.randn(n, generator=g),
+        torch.randn(n, generator=g) * 1e-3,
+        torch.rand(n, generator=g) * 1e-6,
+        torch.randn(n, generator=g),
+    )
 
 
 @pytest.mark.parametrize("n", [1, 31, 33, 1000, 100_003])
@@ -130,8 +134,9 @@ def test_shadow_adamw_clipping_scales_the_update_like_clipping_the_shadow_gradie
             opt.step()
         assert min(norms) > 10 * max_norm  # the clip binds on every step
         assert abs(norms[0] - norms[1]) <= 1e-5 * norms[1]
-    for (_, pa, sa), (_, _, sb), (_, _, sc) in zip(fused.named_shadows(), plain.named_shadows(),
-                                                   unclipped.named_shadows()):
+    for (_, pa, sa), (_, _, sb), (_, _, sc) in zip(
+        fused.named_shadows(), plain.named_shadows(), unclipped.named_shadows()
+    ):
         assert torch.allclose(sa, sb, rtol=0, atol=1e-6)
         assert (sa - sc).abs().max() > 1e-4  # the clipped and unclipped runs are told apart
         assert torch.equal(bits16(pa.data), bits16(stochastic_round(sa, seed=3, step=3, param=_name(fused, pa))))
@@ -157,7 +162,7 @@ def test_large_steps_written_by_streaming_stores_keep_the_bits(grad_dtype, shift
     results = []
     for backend in ("reference", "cpu"):
         S, M, V = s.clone(), m.clone(), v.clone()
-        out = torch.empty(n + 32, dtype=torch.bfloat16)[shift:shift + n]
+        out = torch.empty(n + 32, dtype=torch.bfloat16)[shift : shift + n]
         adamw_step_(S, M, V, g, out, hyper=h, seed=5, step=2, param="big.w", offset=0, backend=backend)
         results.append((S, M, V, bits16(out)))
     for a, b in zip(*results):

@@ -15,9 +15,12 @@ def test_names_normalise_as_the_vectors_say(vectors):
 
 def test_wrapped_names_get_the_same_key():
     plain = stream_key(seed=3, step=5, param="model.layers.0.mlp.weight")
-    for wrapped in ["module.model.layers.0.mlp.weight", "_orig_mod.model.layers.0.mlp.weight",
-                    "module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight",
-                    "model._fsdp_wrapped_module.layers.0.mlp.weight"]:
+    for wrapped in [
+        "module.model.layers.0.mlp.weight",
+        "_orig_mod.model.layers.0.mlp.weight",
+        "module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight",
+        "model._fsdp_wrapped_module.layers.0.mlp.weight",
+    ]:
         assert stream_key(seed=3, step=5, param=wrapped) == plain
 
 
@@ -42,8 +45,10 @@ def test_splitmix64_is_the_published_generator():
 
 def test_key_is_the_same_in_another_process():
     code = "from dist_sr.numerics.key import stream_key; print(stream_key(seed=9, step=4, param='a.b'))"
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)}
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
     assert outs == {f"{stream_key(seed=9, step=4, param='a.b')}\n"}
 
 

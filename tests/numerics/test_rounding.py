@@ -29,8 +29,15 @@ def all_upper_halves_with(lows):
 def test_backends_match_the_test_vectors(vectors, backend):
     for case in vectors["cases"]:
         x = f32_from_bits([int(b, 16) for b in case["x_bits"]])
-        got = sr(x, backend, seed=case["seed"], step=case["step"], param=case["param"],
-                 mode=case["mode"], offset=case["offset"])
+        got = sr(
+            x,
+            backend,
+            seed=case["seed"],
+            step=case["step"],
+            param=case["param"],
+            mode=case["mode"],
+            offset=case["offset"],
+        )
         assert [f"{b:04x}" for b in bits16(got).tolist()] == case["expected_bf16_bits"], case["param"]
 
 
@@ -91,7 +98,7 @@ def test_any_split_with_offsets_equals_the_whole(pieces, backend):
     ref = sr(whole, "reference")
     parts, offset = [], 0
     for n in pieces:
-        parts.append(sr(whole[offset:offset + n], backend, offset=offset))
+        parts.append(sr(whole[offset : offset + n], backend, offset=offset))
         offset += n
     assert torch.equal(bits16(torch.cat(parts)), bits16(ref))
 
@@ -201,8 +208,12 @@ def test_non_contiguous_input_uses_logical_element_order(backend):
 def test_round_jobs_equals_one_call_per_piece(backend):
     xs = [torch.randn(n) for n in (1, 31, 1000, 7)]
     outs = [torch.empty(n, dtype=torch.bfloat16) for n in (1, 31, 1000, 7)]
-    round_jobs([RoundingJob(f"p{i}", x, o, offset=i * 5) for i, (x, o) in enumerate(zip(xs, outs))],
-               seed=4, step=9, backend=backend)
+    round_jobs(
+        [RoundingJob(f"p{i}", x, o, offset=i * 5) for i, (x, o) in enumerate(zip(xs, outs))],
+        seed=4,
+        step=9,
+        backend=backend,
+    )
     for i, (x, o) in enumerate(zip(xs, outs)):
         assert torch.equal(bits16(o), bits16(stochastic_round(x, seed=4, step=9, param=f"p{i}", offset=i * 5)))
 
@@ -217,13 +228,16 @@ def test_non_fp32_input_is_rejected(dtype, backend):
         sr(torch.zeros(4, dtype=dtype), backend)
 
 
-@pytest.mark.parametrize("kwargs,err,match", [
-    (dict(offset=-1), ValueError, "non-negative"),
-    (dict(mode="round-up"), ValueError, "nearest, stochastic, dither"),
-    (dict(out=torch.empty(4, dtype=torch.float16)), TypeError, "must be bfloat16"),
-    (dict(out=torch.empty(5, dtype=torch.bfloat16)), ValueError, "shape"),
-    (dict(seed=-5), ValueError, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(offset=-1), ValueError, "non-negative"),
+        (dict(mode="round-up"), ValueError, "nearest, stochastic, dither"),
+        (dict(out=torch.empty(4, dtype=torch.float16)), TypeError, "must be bfloat16"),
+        (dict(out=torch.empty(5, dtype=torch.bfloat16)), ValueError, "shape"),
+        (dict(seed=-5), ValueError, "seed"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(kwargs, err, match, backend):
     with pytest.raises(err, match=match):
         sr(torch.zeros(4), backend, **kwargs)
@@ -285,10 +299,19 @@ def test_a_build_killed_mid_way_never_blocks_the_next_one(tmp_path):
 
     build = tmp_path / "build"
     build.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from dist_sr.numerics.backends.cpu import _BuildLock; "
-        f"l = _BuildLock({str(build)!r}).__enter__(); open({str(build / 'lock')!r}, 'w').close(); "
-        "print('held', flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from dist_sr.numerics.backends.cpu import _BuildLock; "
+                f"l = _BuildLock({str(build)!r}).__enter__(); open({str(build / 'lock')!r}, 'w').close(); "
+                "print('held', flush=True); time.sleep(120)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         entered = threading.Event()
@@ -312,7 +335,9 @@ def test_a_build_killed_mid_way_never_blocks_the_next_one(tmp_path):
         holder.wait()
 
 
-@pytest.mark.parametrize("shift", [0, 1, 16, 32])  # element offset of `out` inside its buffer: 64-, 2-, 32-, 64-byte aligned
+@pytest.mark.parametrize(
+    "shift", [0, 1, 16, 32]
+)  # element offset of `out` inside its buffer: 64-, 2-, 32-, 64-byte aligned
 @pytest.mark.parametrize("offset", [0, 3])
 def test_large_outputs_written_by_streaming_stores_keep_the_bits(shift, offset):
     """Outputs of >= 2^20 elements take the kernel's non-temporal store path (aligned lines) and
@@ -320,7 +345,7 @@ def test_large_outputs_written_by_streaming_stores_keep_the_bits(shift, offset):
     n = (1 << 20) + 45
     x = torch.randn(n, generator=torch.Generator().manual_seed(shift + offset)) * 3
     buf = torch.empty(n + 64, dtype=torch.bfloat16)
-    out = buf[shift:shift + n]
+    out = buf[shift : shift + n]
     stochastic_round(x, seed=2, step=5, param="big.w", offset=offset, out=out, backend="cpu")
     expected = stochastic_round(x, seed=2, step=5, param="big.w", offset=offset, backend="reference")
     assert torch.equal(bits16(out), bits16(expected))

@@ -19,8 +19,12 @@ triton = pytest.importorskip("triton")
 from dist_sr.numerics.backends.triton import launch as tl_  # noqa: E402
 
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                 reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1"
+        ),
+    ),
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
 ]
 # Every launch path is exercised: one tensor (scalar arguments), many aligned tensors (16-byte
@@ -39,9 +43,21 @@ def special_values(n, seed):
     """Random bit patterns (every NaN class, Inf, -0, subnormals, max finite among them)."""
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(0, 1 << 32, (n,), generator=g, dtype=torch.int64)
-    edge = [0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0x807FFFFF,
-            0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x3F808000]
-    bits[:min(n, len(edge))] = torch.tensor(edge[:n])
+    edge = [
+        0x7FC00000,
+        0x7F800001,
+        0xFFFFFFFF,
+        0x7F800000,
+        0xFF800000,
+        0x80000000,
+        0x00000001,
+        0x807FFFFF,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+        0x7F7F8000,
+        0x3F808000,
+    ]
+    bits[: min(n, len(edge))] = torch.tensor(edge[:n])
     return f32_from_bits(bits)
 
 
@@ -63,8 +79,15 @@ def test_every_upper_half_with_edge_low_halves(device, keyed):
     bits = torch.cat([upper + low for low in (0x0000, 0x0001, 0x7FFF, 0x8000, 0xFFFF)])
     x = f32_from_bits(bits)
     key = stream_key(seed=3, step=4, param="w") if keyed else None
-    got = stochastic_round(x.to(device), seed=3, step=4, param="w", offset=12345,
-                           mode="stochastic" if keyed else "nearest", backend="triton")
+    got = stochastic_round(
+        x.to(device),
+        seed=3,
+        step=4,
+        param="w",
+        offset=12345,
+        mode="stochastic" if keyed else "nearest",
+        backend="triton",
+    )
     assert torch.equal(bits16(got.cpu()), ref_bits(x, key, 12345))
 
 
@@ -73,12 +96,14 @@ def test_every_upper_half_with_edge_low_halves(device, keyed):
 @pytest.mark.parametrize("layout", ["aligned", "misaligned"])
 def test_many_tensors_in_one_call_equal_the_reference(device, mode, layout):
     xs = [special_values(n, i) for i, n in enumerate(SIZES)]
-    if layout == "misaligned":  # views at odd element offsets of one buffer: neither 16-byte aligned nor offset % 4 == 0
+    if (
+        layout == "misaligned"
+    ):  # views at odd element offsets of one buffer: neither 16-byte aligned nor offset % 4 == 0
         buf = torch.cat([torch.zeros(1)] + [torch.cat([x, torch.zeros(3)]) for x in xs]).to(device)
         out_buf = torch.empty(buf.numel() + 1, dtype=torch.bfloat16, device=device)
         starts = np.cumsum([1] + [n + 3 for n in SIZES])[:-1].tolist()
-        dev_xs = [buf[s:s + n] for s, n in zip(starts, SIZES)]
-        outs = [out_buf[s + 1:s + 1 + n] for s, n in zip(starts, SIZES)]
+        dev_xs = [buf[s : s + n] for s, n in zip(starts, SIZES)]
+        outs = [out_buf[s + 1 : s + 1 + n] for s, n in zip(starts, SIZES)]
         offsets = [o + 1 for o in OFFSETS]
     else:
         dev_xs = [x.to(device) for x in xs]
@@ -102,8 +127,16 @@ def test_a_batch_derives_each_steps_keys_like_the_host(device, pieces):
     xs = [special_values(1000, 8)] + ([special_values(77, 9), w[:, 10:20].contiguous()] if pieces != "one" else [])
     rows = [None, None, (10, 30)]
     offsets = [5, 2**35, 10]
-    jobs = [RoundingJob(f"b.p{i}", x.to(device), torch.empty(x.shape, dtype=torch.bfloat16, device=device), offsets[i],
-                        None if rows[i] is None else rows[i][1]) for i, x in enumerate(xs)]
+    jobs = [
+        RoundingJob(
+            f"b.p{i}",
+            x.to(device),
+            torch.empty(x.shape, dtype=torch.bfloat16, device=device),
+            offsets[i],
+            None if rows[i] is None else rows[i][1],
+        )
+        for i, x in enumerate(xs)
+    ]
     batch = RoundingBatch(jobs, backend="triton")
     for step in (1, 2**63, 2**64 - 1):
         batch.run(seed=4, step=step)
@@ -124,7 +157,7 @@ def test_strided_column_shard_equals_the_full_parameter_rounding(device):
 def fused_case(n, i, pure, moment_bf16, grad_dtype, device):
     g = torch.Generator().manual_seed(100 + i)
     s = torch.randn(n, generator=g)
-    s[:3] = torch.tensor([0.0, -0.0, 1e-39])[:min(n, 3)]
+    s[:3] = torch.tensor([0.0, -0.0, 1e-39])[: min(n, 3)]
     m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6
     grad = torch.randn(n, generator=g).to(grad_dtype)
     if pure:
@@ -149,17 +182,35 @@ def test_fused_adamw_plan_equals_the_reference(device, flavour, grad_dtype, mode
     sizes, offsets = [3000, 1, 2048, 0, 517, 4100, 6], [0, 5, 2**33, 0, 7, 2**32 + 4, 1]
     cases = [fused_case(n, i, pure, moment_bf16, grad_dtype, device) for i, n in enumerate(sizes)]
     want = [[None if t is None else t.detach().cpu().clone() for t in c] for c in cases]
-    hypers = [AdamWHyper(1e-3 * (i + 1), 0.9, 0.999, 1e-8, 0.01, i + 1, 0.5 if i == 2 else 1.0) for i in range(len(sizes))]
-    plan = AdamWPlan([AdamWPiece(f"p{i}", c[0], c[1], c[2], c[4], off) for i, (c, off) in enumerate(zip(cases, offsets))],
-                     backend="triton")
+    hypers = [
+        AdamWHyper(1e-3 * (i + 1), 0.9, 0.999, 1e-8, 0.01, i + 1, 0.5 if i == 2 else 1.0) for i in range(len(sizes))
+    ]
+    plan = AdamWPlan(
+        [AdamWPiece(f"p{i}", c[0], c[1], c[2], c[4], off) for i, (c, off) in enumerate(zip(cases, offsets))],
+        backend="triton",
+    )
     for step in (4, 5):
         plan.step_([c[3] for c in cases], hypers, seed=1, step=step, mode=mode)
         for i, (w, off) in enumerate(zip(want, offsets)):
-            keys = None if mode == "nearest" else [stream_key(seed=1, step=step, param=n)
-                                                   for n in (f"p{i}", moment_param(f"p{i}", "exp_avg"),
-                                                             moment_param(f"p{i}", "exp_avg_sq"))]
-            adamw_reference_(w[0], w[1], w[2], w[3], w[4], None if keys is None else keys[0], off, hypers[i],
-                             None if keys is None else (keys[1], keys[2]))
+            keys = (
+                None
+                if mode == "nearest"
+                else [
+                    stream_key(seed=1, step=step, param=n)
+                    for n in (f"p{i}", moment_param(f"p{i}", "exp_avg"), moment_param(f"p{i}", "exp_avg_sq"))
+                ]
+            )
+            adamw_reference_(
+                w[0],
+                w[1],
+                w[2],
+                w[3],
+                w[4],
+                None if keys is None else keys[0],
+                off,
+                hypers[i],
+                None if keys is None else (keys[1], keys[2]),
+            )
         for c, w in zip(cases, want):
             for got, exp in zip(c[:3] + c[4:], w[:3] + w[4:]):
                 if got is not None:
@@ -175,13 +226,17 @@ def test_fused_keys_derived_on_the_device_at_the_steps_range_ends(device, mode):
     cases = [fused_case(n, i, True, True, torch.bfloat16, device) for i, n in enumerate(sizes)]
     want = [[None if t is None else t.detach().cpu().clone() for t in c] for c in cases]
     h = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
-    plan = AdamWPlan([AdamWPiece(f"m.p{i}", c[0], c[1], c[2], None, off) for i, (c, off) in enumerate(zip(cases, offsets))],
-                     backend="triton")
+    plan = AdamWPlan(
+        [AdamWPiece(f"m.p{i}", c[0], c[1], c[2], None, off) for i, (c, off) in enumerate(zip(cases, offsets))],
+        backend="triton",
+    )
     for step in (0, 2**63 - 1, 2**63, 2**64 - 1):
         plan.step_([c[3] for c in cases], [h] * len(sizes), seed=2**64 - 3, step=step, mode=mode)
         for i, (w, off) in enumerate(zip(want, offsets)):
-            keys = [stream_key(seed=2**64 - 3, step=step, param=n, mode=mode)
-                    for n in (f"m.p{i}", moment_param(f"m.p{i}", "exp_avg"), moment_param(f"m.p{i}", "exp_avg_sq"))]
+            keys = [
+                stream_key(seed=2**64 - 3, step=step, param=n, mode=mode)
+                for n in (f"m.p{i}", moment_param(f"m.p{i}", "exp_avg"), moment_param(f"m.p{i}", "exp_avg_sq"))
+            ]
             adamw_reference_(w[0], w[1], w[2], w[3], None, keys[0], off, h, (keys[1], keys[2]))
         for c, w in zip(cases, want):
             for got, exp in zip(c[:3], w[:3]):
@@ -210,6 +265,7 @@ def test_fused_adamw_on_misaligned_views_and_a_device_grad_scale(device):
 
 
 # ---- the launch path's host work -----------------------------------------------------------------
+
 
 def test_the_host_table_does_not_grow_with_the_elements():
     # 290 tensors (the shapes of a Qwen2.5-0.5B's parameter list) of 10^3 or 10^8 elements: the
@@ -281,7 +337,9 @@ def test_a_direct_launch_passes_the_arguments_the_jit_launch_passed():
     # the kernel's full argument list: every positional argument in its place (tensors as raw
     # addresses) and the keyword constants filled in, whatever order the call site gave them in
     t = [torch.zeros(8, dtype=torch.int64) for _ in range(6)]
-    kw = dict(BLOCK=1024, MOMENT_BF16=True, PURE=False, GRAD_BF16=True, ALIGNED=True, KEYED=True)  # not in signature order
+    kw = dict(
+        BLOCK=1024, MOMENT_BF16=True, PURE=False, GRAD_BF16=True, ALIGNED=True, KEYED=True
+    )  # not in signature order
     with tl_.dry_run() as record:
         for _ in range(3):
             tl_.launcher(tl_.tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **kw)
@@ -324,8 +382,9 @@ class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("optimizer", ["ShadowAdamW", "ShadowOptimizer", "ShadowOptimizer-skip", "AdamWSR-bf16",
-                                       "AdamWSR-fp32"])
+@pytest.mark.parametrize(
+    "optimizer", ["ShadowAdamW", "ShadowOptimizer", "ShadowOptimizer-skip", "AdamWSR-bf16", "AdamWSR-fp32"]
+)
 def test_a_step_uploads_once_and_reads_nothing_back(device, optimizer, monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(device=device, dtype=torch.bfloat16)
@@ -334,8 +393,15 @@ def test_a_step_uploads_once_and_reads_nothing_back(device, optimizer, monkeypat
         opt = ShadowAdamW(params, lr=1e-3, seed=1, backend="triton")
     elif optimizer.startswith("ShadowOptimizer"):
         # skipping non-finite steps (the default) costs one scalar read per step: measured below
-        opt = ShadowOptimizer(params, torch.optim.AdamW, lr=1e-3, seed=1, backend="triton", fused=True,
-                              skip_nonfinite=optimizer.endswith("skip"))
+        opt = ShadowOptimizer(
+            params,
+            torch.optim.AdamW,
+            lr=1e-3,
+            seed=1,
+            backend="triton",
+            fused=True,
+            skip_nonfinite=optimizer.endswith("skip"),
+        )
     else:
         opt = AdamWSR(params, lr=1e-3, seed=1, moment_dtype=optimizer[-4:], backend="triton")
     x = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
@@ -371,19 +437,29 @@ def test_irregular_steps_through_the_array_host_path_equal_the_reference(device,
     lrs = [1e-2, 1e-2, 3e-3, 3e-3]
     groups = [{"params": named[:2], "lr": lrs[0]}, {"params": named[2:], "lr": lrs[2]}]
     pure, moment_bf16 = optimizer != "ShadowAdamW", optimizer == "AdamWSR-bf16"
-    opt = (ShadowAdamW(groups, seed=9, backend="triton") if not pure
-           else AdamWSR(groups, seed=9, moment_dtype=optimizer[-4:], backend="triton"))
+    opt = (
+        ShadowAdamW(groups, seed=9, backend="triton")
+        if not pure
+        else AdamWSR(groups, seed=9, moment_dtype=optimizer[-4:], backend="triton")
+    )
     mdt = torch.bfloat16 if moment_bf16 else torch.float32
-    want = [{"p": p.detach().cpu().clone() if pure else p.detach().cpu().float(), "out": p.detach().cpu().clone(),
-             "m": torch.zeros(p.numel(), dtype=mdt), "v": torch.zeros(p.numel(), dtype=mdt), "t": 0}
-            for _, p in named]
+    want = [
+        {
+            "p": p.detach().cpu().clone() if pure else p.detach().cpu().float(),
+            "out": p.detach().cpu().clone(),
+            "m": torch.zeros(p.numel(), dtype=mdt),
+            "v": torch.zeros(p.numel(), dtype=mdt),
+            "t": 0,
+        }
+        for _, p in named
+    ]
     x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=torch.bfloat16)
     for step in range(1, 5):
         opt.zero_grad()
         model(x).float().pow(2).mean().backward()
         if step == 2:
-            model[0].bias.grad = None       # no gradient: skipped, its Adam step stays behind
-        if step == 3:                        # the same values, laid out column-major
+            model[0].bias.grad = None  # no gradient: skipped, its Adam step stays behind
+        if step == 3:  # the same values, laid out column-major
             w = model[1].weight
             w.grad = w.grad.t().contiguous().t()
             assert not w.grad.is_contiguous()
@@ -391,12 +467,23 @@ def test_irregular_steps_through_the_array_host_path_equal_the_reference(device,
             if p.grad is None:
                 continue
             st["t"] += 1
-            keys = [stream_key(seed=9, step=step, param=n) for n in (name, moment_param(name, "exp_avg"),
-                                                                      moment_param(name, "exp_avg_sq"))]
+            keys = [
+                stream_key(seed=9, step=step, param=n)
+                for n in (name, moment_param(name, "exp_avg"), moment_param(name, "exp_avg_sq"))
+            ]
             h = AdamWHyper(lr, 0.9, 0.999, 1e-8, 0.01, st["t"])
             flat = st["p"].view(-1)
-            adamw_reference_(flat, st["m"], st["v"], p.grad.detach().cpu().reshape(-1), None if pure else
-                             st["out"].view(-1), keys[0], 0, h, (keys[1], keys[2]) if moment_bf16 else None)
+            adamw_reference_(
+                flat,
+                st["m"],
+                st["v"],
+                p.grad.detach().cpu().reshape(-1),
+                None if pure else st["out"].view(-1),
+                keys[0],
+                0,
+                h,
+                (keys[1], keys[2]) if moment_bf16 else None,
+            )
         opt.step()
     states = opt.state_dict()
     states = (states["inner"] if not pure else states)["state"]
@@ -409,6 +496,7 @@ def test_irregular_steps_through_the_array_host_path_equal_the_reference(device,
 
 
 # ---- CUDA only ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_tensors_use_triton_and_match_the_cpu():
@@ -424,11 +512,17 @@ def test_cuda_direct_launches_match_the_cpu(mode):
     # every specialization twice: the first call goes through Triton's JIT, the second is the
     # direct launch with raw addresses that every later call takes
     buf = special_values(70001, 11)
-    for shift, offset, shape in [(0, 0, (70000,)), (1, 0, (70000,)), (0, 3, (70000,)), (0, 2**33 + 1, (70000,)),
-                                 (0, 8, (350, 200)), (3, 2**40, (7, 10000))]:
-        x = buf[shift:shift + 70000].view(shape)
+    for shift, offset, shape in [
+        (0, 0, (70000,)),
+        (1, 0, (70000,)),
+        (0, 3, (70000,)),
+        (0, 2**33 + 1, (70000,)),
+        (0, 8, (350, 200)),
+        (3, 2**40, (7, 10000)),
+    ]:
+        x = buf[shift : shift + 70000].view(shape)
         want = stochastic_round(x, seed=5, step=9, param="m.w", offset=offset, mode=mode, backend="reference")
-        dev = buf.cuda()[shift:shift + 70000].view(shape)
+        dev = buf.cuda()[shift : shift + 70000].view(shape)
         for _ in range(2):
             got = stochastic_round(dev, seed=5, step=9, param="m.w", offset=offset, mode=mode)
             assert torch.equal(bits16(got.cpu()), bits16(want)), (shift, offset, shape)
@@ -479,8 +573,9 @@ def test_cuda_step_never_synchronises(optimizer):
         opt = ShadowAdamW(model.named_parameters(), lr=1e-3, seed=1)
     elif optimizer == "ShadowOptimizer":
         # non-finite skipping reads one flag per step (tests/numerics: test_a_step_uploads_once...)
-        opt = ShadowOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-3, seed=1, fused=True,
-                              skip_nonfinite=False)
+        opt = ShadowOptimizer(
+            model.named_parameters(), torch.optim.AdamW, lr=1e-3, seed=1, fused=True, skip_nonfinite=False
+        )
     else:
         opt = AdamWSR(model.named_parameters(), lr=1e-3, seed=1, moment_dtype=optimizer[-4:])
     x = torch.randn(16, 128, device="cuda", dtype=torch.bfloat16)
@@ -522,6 +617,7 @@ def test_cuda_shadow_adamw_step_captures_in_a_cuda_graph():
 
 # ---- steps derived on the device (capturable) ----------------------------------------------------
 
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["stochastic", "dither"])
 def test_keys_and_constants_derived_on_the_device_equal_the_hosts(device, mode):
@@ -530,8 +626,9 @@ def test_keys_and_constants_derived_on_the_device_equal_the_hosts(device, mode):
     names = ["w", "model.layers.0.mlp.down_proj.weight", "x" * 97, "y" * 98, "z" * 99, "q" * 300, "a.b#exp_avg_sq"]
     tmpl = tl_.KeyTemplates(names, seed=1234, mode=mode, device=torch.device(device))
     hypers = [AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1), AdamWHyper(3e-6, 0.8, 0.95, 1e-6, 0.1, 1)]
-    hyper = torch.tensor([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in hypers], dtype=torch.float64,
-                         device=device)
+    hyper = torch.tensor(
+        [[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in hypers], dtype=torch.float64, device=device
+    )
     for step in (1, 2, 77, 10**6, 2**40 + 5):
         counter = torch.tensor([step - 1], dtype=torch.int64, device=device)
         keys = torch.empty(len(names), dtype=torch.int64, device=device)
@@ -539,15 +636,18 @@ def test_keys_and_constants_derived_on_the_device_equal_the_hosts(device, mode):
         tmpl.run(counter, keys, hyper, consts, 2)
         assert keys.cpu().numpy().tolist() == stream_keys(names, seed=1234, step=step, mode=mode).tolist(), step
         for k, h in enumerate(hypers):
-            host = torch.tensor(_constants(AdamWHyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step)),
-                                dtype=torch.float32)
-            assert torch.equal(consts.cpu()[8 * k:8 * k + 7], host[:7]), (step, k)
+            host = torch.tensor(
+                _constants(AdamWHyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step)), dtype=torch.float32
+            )
+            assert torch.equal(consts.cpu()[8 * k : 8 * k + 7], host[:7]), (step, k)
 
 
 def _capturable_pair(kind, device):
     torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 5)).to(device=device, dtype=torch.bfloat16)
-              for _ in range(2)]
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 5)).to(device=device, dtype=torch.bfloat16)
+        for _ in range(2)
+    ]
     models[1].load_state_dict(models[0].state_dict())
     opts = []
     for capturable, m in zip((False, True), models):

@@ -22,8 +22,14 @@ pytest.importorskip("triton.backends.nvidia")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("ptx") / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    subprocess.run([sys.executable, str(ROOT / "bench" / "ptx_report.py"), "--json", str(out), "--no-registers"],
-                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ptx_report.py"), "--json", str(out), "--no-registers"],
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=600,
+    )
     return json.loads(out.read_text())
 
 

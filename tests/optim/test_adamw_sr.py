@@ -90,8 +90,10 @@ def test_a_step_equals_the_fused_reference_and_moments_use_their_own_keys(moment
     for key, want in (("exp_avg", m), ("exp_avg_sq", v)):
         got = opt.state[w][key]
         assert got.dtype == want.dtype
-        assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
-                           want.view(torch.int16) if want.dtype == torch.bfloat16 else want), key
+        assert torch.equal(
+            got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+            want.view(torch.int16) if want.dtype == torch.bfloat16 else want,
+        ), key
 
 
 def two_replicas(seed_a, seed_b, moment_dtype="fp32", steps=20):
@@ -154,9 +156,14 @@ def test_bad_moment_dtype_is_refused():
         AdamWSR(nn.Linear(2, 2).to(torch.bfloat16).named_parameters(), moment_dtype="fp16")
 
 
-@pytest.mark.parametrize("names,match", [(["w", "w"], "normalise to the same key 'w'"),
-                                         (["module.w", "w"], "normalise to the same key 'w'"),
-                                         (["", "b"], "non-empty string")])
+@pytest.mark.parametrize(
+    "names,match",
+    [
+        (["w", "w"], "normalise to the same key 'w'"),
+        (["module.w", "w"], "normalise to the same key 'w'"),
+        (["", "b"], "non-empty string"),
+    ],
+)
 def test_names_that_would_share_random_bits_are_refused(names, match):
     params = [nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)) for _ in names]
     with pytest.raises(ValueError, match=match):

@@ -26,11 +26,22 @@ class Engine:
     def __init__(self, model_dir: Path, extension: str, log: Path, *, env: dict | None = None):
         self.address = ("127.0.0.1", free_port())
         self.authkey = os.urandom(16)
-        cmd = [sys.executable, "-m", "tests.peers.vllm_engine", str(model_dir), f"{self.address[0]}:{self.address[1]}",
-               extension]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.peers.vllm_engine",
+            str(model_dir),
+            f"{self.address[0]}:{self.address[1]}",
+            extension,
+        ]
         self.log = log
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {}), "DIST_SR_PEER_AUTHKEY": self.authkey.hex()})
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {}), "DIST_SR_PEER_AUTHKEY": self.authkey.hex()},
+        )
         self.conn = None
 
     def wait_ready(self, timeout: float = 600) -> "Engine":
@@ -77,8 +88,9 @@ class GlooBroadcast:
         import torch.distributed as dist
 
         store = dist.TCPStore(host, port, world, rank == 0, timeout=timedelta(seconds=timeout_s))
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("peer-weights", store), rank, world,
-                                           timedelta(seconds=timeout_s))
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("peer-weights", store), rank, world, timedelta(seconds=timeout_s)
+        )
         self.sent: list[torch.Tensor] = []
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
@@ -128,8 +140,9 @@ def check_push(tmp_path: Path, model_dir: Path, extension: str, push, env: dict 
     held = json.loads((tmp_path / "held.json").read_text())
     assert held["method"] == "recorded at load"
     assert digest_of(held["digests"]) == trainer_digest(expected)  # the engine holds the trainer's bits
-    fresh = Engine(save_with_weights(model_dir, tmp_path / "keyed-model", expected), extension,
-                   tmp_path / "fresh.log", env=env).wait_ready()
+    fresh = Engine(
+        save_with_weights(model_dir, tmp_path / "keyed-model", expected), extension, tmp_path / "fresh.log", env=env
+    ).wait_ready()
     try:
         assert fresh.call("generate", PROMPTS, 8) == tokens
     finally:
@@ -150,8 +163,9 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
     from dist_sr.rl.config import ModelConfig
     from dist_sr.rl.model import new_tiny
 
-    model, tok = new_tiny(ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=2, init_seed=seed))
+    model, tok = new_tiny(
+        ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, init_seed=seed)
+    )
     model.to(torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -174,7 +188,10 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> lis
     bad = sorted(set(a) ^ set(b))
     for n in set(a) & set(b):
         x, y = a[n].contiguous(), b[n].contiguous()
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(-1).view(torch.uint8),
-                                                                       y.view(-1).view(torch.uint8)):
+        if (
+            x.dtype != y.dtype
+            or x.shape != y.shape
+            or not torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        ):
             bad.append(n)
     return sorted(bad)

@@ -26,9 +26,12 @@ def _unavailable(*args, **kwargs):
     raise RuntimeError("flash_attn is not available on this CPU machine")
 
 
-for _name, _attrs in (("flash_attn", ()), ("flash_attn.bert_padding", ("index_first_axis", "pad_input", "rearrange",
-                                                                        "unpad_input")),
-                      ("flash_attn.utils", ()), ("flash_attn.utils.distributed", ("all_gather",))):
+for _name, _attrs in (
+    ("flash_attn", ()),
+    ("flash_attn.bert_padding", ("index_first_axis", "pad_input", "rearrange", "unpad_input")),
+    ("flash_attn.utils", ()),
+    ("flash_attn.utils.distributed", ("all_gather",)),
+):
     if _name not in sys.modules:
         _module = types.ModuleType(_name)
         # a spec but no file and no version: transformers' availability check calls it "not installed"

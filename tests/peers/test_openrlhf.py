@@ -35,10 +35,24 @@ def build(model_dir: str, zero_stage: int):
     from openrlhf.models import Actor
     from openrlhf.utils.utils import get_strategy
 
-    args = openrlhf_cpu.cli_args(["--actor.model_name_or_path", model_dir, "--ds.zero_stage", str(zero_stage),
-                                  "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager",
-                                  "--train.micro_batch_size", "2", "--train.batch_size", "4",
-                                  "--actor.adam.lr", "1e-3"])
+    args = openrlhf_cpu.cli_args(
+        [
+            "--actor.model_name_or_path",
+            model_dir,
+            "--ds.zero_stage",
+            str(zero_stage),
+            "--ds.param_dtype",
+            "bf16",
+            "--ds.attn_implementation",
+            "eager",
+            "--train.micro_batch_size",
+            "2",
+            "--train.batch_size",
+            "4",
+            "--actor.adam.lr",
+            "1e-3",
+        ]
+    )
     real_config = ds_strategy.get_train_ds_config
 
     def ds_config(*a, **k):  # DeepSpeed's CPU FusedAdam is a minutes-long JIT build: torch's AdamW instead
@@ -50,11 +64,22 @@ def build(model_dir: str, zero_stage: int):
     ds_strategy.get_train_ds_config = ds_config
     strategy = get_strategy(args)
     openrlhf_cpu.setup_distributed(strategy)
-    actor = Actor(model_dir, attn_implementation=args.ds.attn_implementation, param_dtype=args.ds.param_dtype,
-                  ds_config=strategy.get_ds_train_config())
-    cfg = dict(optim=args.actor.optim, muon=vars(args.actor.muon), adam=vars(args.actor.adam),
-               lr_scheduler="constant", lr_warmup_ratio=0.0, min_lr_ratio=args.actor.min_lr_ratio,
-               max_norm=args.actor.max_norm, scheduler_steps=10)
+    actor = Actor(
+        model_dir,
+        attn_implementation=args.ds.attn_implementation,
+        param_dtype=args.ds.param_dtype,
+        ds_config=strategy.get_ds_train_config(),
+    )
+    cfg = dict(
+        optim=args.actor.optim,
+        muon=vars(args.actor.muon),
+        adam=vars(args.actor.adam),
+        lr_scheduler="constant",
+        lr_warmup_ratio=0.0,
+        min_lr_ratio=args.actor.min_lr_ratio,
+        max_norm=args.actor.max_norm,
+        scheduler_steps=10,
+    )
     actor, optim, scheduler = strategy.prepare((actor, cfg))
     return strategy, actor, optim, scheduler
 
@@ -98,8 +123,9 @@ class _Handle:
 
     def _update_weight(self, name, dtype, shape, empty_cache=False):
         self.names.append(name)
-        self.conn.send(("rpc", "update_weight", [name], {"dtype": dtype, "shape": tuple(shape),
-                                                         "empty_cache": empty_cache}))
+        self.conn.send(
+            ("rpc", "update_weight", [name], {"dtype": dtype, "shape": tuple(shape), "empty_cache": empty_cache})
+        )
 
         def answer():
             status, value = self.conn.recv()
@@ -135,9 +161,11 @@ def _switch_worker(rank, world, model_dir, zero_stage, switch_on, out_dir):
     train(strategy, actor, optim, scheduler, STEPS)
     expected = keyed(actor, zero_stage)
     group = SimpleNamespace(sent=[], broadcast=lambda t, src=0, stream=None: group.sent.append(t.detach().clone()))
-    handle = SimpleNamespace(names=[], update_weight=SimpleNamespace(
-        remote=lambda name, **kw: handle.names.append(name) or _Ref(lambda: None)),
-        reset_prefix_cache=SimpleNamespace(remote=lambda: _Ref(lambda: None)))
+    handle = SimpleNamespace(
+        names=[],
+        update_weight=SimpleNamespace(remote=lambda name, **kw: handle.names.append(name) or _Ref(lambda: None)),
+        reset_prefix_cache=SimpleNamespace(remote=lambda: _Ref(lambda: None)),
+    )
     broadcast(strategy, actor, [handle], group)
     if rank != 0:
         return
@@ -199,6 +227,11 @@ def _push_worker(rank, world, model_dir, zero_stage, address, authkey, port, out
 def test_openrlhfs_broadcast_leaves_vllm_029_holding_the_trainers_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("DIST_SR_SEED", str(SEED))
     model_dir = save_tiny_model(tmp_path / "model")
-    check_push(tmp_path, model_dir, EXTENSION,
-               lambda engine: run_workers(_push_worker, 2, str(model_dir), 3, engine.address, engine.authkey,
-                                          free_port(), str(tmp_path)))
+    check_push(
+        tmp_path,
+        model_dir,
+        EXTENSION,
+        lambda engine: run_workers(
+            _push_worker, 2, str(model_dir), 3, engine.address, engine.authkey, free_port(), str(tmp_path)
+        ),
+    )

@@ -38,14 +38,23 @@ def build(model_dir, *, switch: bool = True, strategy: str = "fsdp2", **model_fi
     from verl.workers.config.optimizer import FSDPOptimizerConfig
     from verl.workers.engine.base import EngineRegistry
 
-    model_config = HFModelConfig(path=str(model_dir), external_lib=SWITCH if switch else None,
-                                 override_config={"attn_implementation": "eager"}, use_remove_padding=False,
-                                 enable_gradient_checkpointing=False, **model_fields)
+    model_config = HFModelConfig(
+        path=str(model_dir),
+        external_lib=SWITCH if switch else None,
+        override_config={"attn_implementation": "eager"},
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
+        **model_fields,
+    )
     engine_config = FSDPEngineConfig(strategy=strategy, seed=SEED, use_torch_compile=False)
-    engine = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
-                                engine_config=engine_config,
-                                optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=10),
-                                checkpoint_config=CheckpointConfig())
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=strategy,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=10),
+        checkpoint_config=CheckpointConfig(),
+    )
     engine.initialize()
     return engine
 
@@ -92,7 +101,8 @@ def _engine_worker(rank, world, model_dir, out_dir):
     for name, flat, _spec in gen:
         _, offset, _ = local_shard(params[name])
         assert flat.dtype == torch.bfloat16 and torch.equal(
-            flat.view(torch.int16), expected[name].reshape(-1)[offset:offset + flat.numel()].view(torch.int16)), name
+            flat.view(torch.int16), expected[name].reshape(-1)[offset : offset + flat.numel()].view(torch.int16)
+        ), name
         shards += 1
     assert shards == len(expected)
     # verl's checkpoint, then a fresh engine resumed from it: the key's step comes back
@@ -129,8 +139,10 @@ def _switch_off_worker(rank, world, model_dir):
 def _refusal_worker(rank, world, model_dir):
     from dist_sr.integrations.verl import VerlUnsupported
 
-    for kwargs, words in (({"strategy": "fsdp"}, "actor_rollout_ref.actor.strategy=fsdp2"),
-                          ({"lora_rank": 8}, "lora_rank=0")):
+    for kwargs, words in (
+        ({"strategy": "fsdp"}, "actor_rollout_ref.actor.strategy=fsdp2"),
+        ({"lora_rank": 8}, "lora_rank=0"),
+    ):
         with pytest.raises(VerlUnsupported, match=words.replace(".", r"\.")):
             build(model_dir, **kwargs)
 
@@ -216,7 +228,10 @@ def _push_worker(rank, world, model_dir, address, authkey, out_dir):
 
 def test_verls_colocated_push_leaves_vllm_024_holding_the_trainers_bits(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model")
-    check_push(tmp_path, model_dir, "tests.peers.verl_extension:Extension",
-               lambda engine: run_workers(_push_worker, 2, str(model_dir), engine.address, engine.authkey,
-                                          str(tmp_path)),
-               env={"VERL_RAY_JOB_ID": JOB, "VERL_REPLICA_RANK": "0"})
+    check_push(
+        tmp_path,
+        model_dir,
+        "tests.peers.verl_extension:Extension",
+        lambda engine: run_workers(_push_worker, 2, str(model_dir), engine.address, engine.authkey, str(tmp_path)),
+        env={"VERL_RAY_JOB_ID": JOB, "VERL_REPLICA_RANK": "0"},
+    )

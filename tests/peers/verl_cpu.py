@@ -18,13 +18,27 @@ os.environ["VERL_ENGINE_DEVICE"] = "cuda"  # verl registers its FSDP engines for
 
 _noop = lambda *a, **k: None  # noqa: E731
 device_module = types.SimpleNamespace(
-    synchronize=_noop, empty_cache=_noop, ipc_collect=_noop, is_available=lambda: True,
-    current_device=lambda: "cpu", device_count=lambda: 1, set_device=_noop,
-    mem_get_info=lambda *a: (8 << 30, 16 << 30), memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0,
-    max_memory_allocated=lambda *a: 0, max_memory_reserved=lambda *a: 0, reset_peak_memory_stats=_noop,
-    get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state, manual_seed=torch.manual_seed,
-    manual_seed_all=torch.manual_seed, memory=types.SimpleNamespace(_set_allocator_settings=_noop),
-    current_stream=lambda *a: None, Stream=None)
+    synchronize=_noop,
+    empty_cache=_noop,
+    ipc_collect=_noop,
+    is_available=lambda: True,
+    current_device=lambda: "cpu",
+    device_count=lambda: 1,
+    set_device=_noop,
+    mem_get_info=lambda *a: (8 << 30, 16 << 30),
+    memory_allocated=lambda *a: 0,
+    memory_reserved=lambda *a: 0,
+    max_memory_allocated=lambda *a: 0,
+    max_memory_reserved=lambda *a: 0,
+    reset_peak_memory_stats=_noop,
+    get_rng_state=torch.get_rng_state,
+    set_rng_state=torch.set_rng_state,
+    manual_seed=torch.manual_seed,
+    manual_seed_all=torch.manual_seed,
+    memory=types.SimpleNamespace(_set_allocator_settings=_noop),
+    current_stream=lambda *a: None,
+    Stream=None,
+)
 
 
 @PlatformRegistry.register(platform="cpu")

@@ -18,8 +18,12 @@ import os
 import sys
 from multiprocessing.connection import Listener
 
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-                  VLLM_CPU_OMP_THREADS_BIND="nobind")
+os.environ.update(
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    OMP_NUM_THREADS="1",
+    VLLM_CPU_OMP_THREADS_BIND="nobind",
+)
 
 
 def main() -> None:
@@ -29,8 +33,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0,
-              worker_extension_cls=f"{module}.{name}")
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+        worker_extension_cls=f"{module}.{name}",
+    )
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
     host, port = address.rsplit(":", 1)
     with Listener((host, int(port)), authkey=bytes.fromhex(os.environ["DIST_SR_PEER_AUTHKEY"])) as listener:

@@ -4,8 +4,14 @@ import pytest
 EASY = {
     "model": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "initializer_range": 0.1},
     "task": {"name": "reverse", "num_digits": 3},
-    "warmup": {"target_accuracy": 0.3, "max_steps": 400, "batch_size": 64, "lr": 1e-2, "eval_every": 20,
-               "eval_prompts": 128},
+    "warmup": {
+        "target_accuracy": 0.3,
+        "max_steps": 400,
+        "batch_size": 64,
+        "lr": 1e-2,
+        "eval_every": 20,
+        "eval_prompts": 128,
+    },
     "grpo": {"steps": 20, "prompts_per_step": 16, "samples_per_prompt": 4, "lr": 3e-3, "max_new_tokens": 4},
     "eval": {"every": 5, "num_prompts": 128},
 }

@@ -22,8 +22,11 @@ from dist_sr.rl.config import ConfigError
 from .conftest import EASY
 
 STEPS_20 = {"grpo": {"steps": 20}}  # the synthetic runs below end at step 20
-RUNS = [{"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"},
-        {"name": "bf16-sr", "precision": "bf16-sr"}]
+RUNS = [
+    {"name": "fp32", "precision": "fp32"},
+    {"name": "bf16", "precision": "bf16"},
+    {"name": "bf16-sr", "precision": "bf16-sr"},
+]
 
 
 def write_curves(cfg, curves: dict, dead: dict | None = None) -> None:
@@ -37,8 +40,12 @@ def write_curves(cfg, curves: dict, dead: dict | None = None) -> None:
                 path.mkdir(parents=True)
                 rows = [{"step": 0, "eval_accuracy": acc[0], "eval_kl": 0.0}]
                 for step in range(1, 21):
-                    row = {"step": step, "reward": 0.5, "changed_frac": 0.01,
-                           "dead_zone_frac": (dead or {}).get(cell.label)}
+                    row = {
+                        "step": step,
+                        "reward": 0.5,
+                        "changed_frac": 0.01,
+                        "dead_zone_frac": (dead or {}).get(cell.label),
+                    }
                     if step % 10 == 0:
                         row.update(eval_accuracy=acc[step // 10], eval_kl=1e-3 * step)
                     rows.append(row)
@@ -47,8 +54,18 @@ def write_curves(cfg, curves: dict, dead: dict | None = None) -> None:
 
 def test_spreads_and_checks_are_over_start_checkpoints(tmp_path):
     fp16 = {"name": "fp16", "precision": "fp16", "seeds": [0]}  # a slow run: one seed per start checkpoint
-    cfg = load_compare(None, {"output_dir": str(tmp_path), "experiment": STEPS_20, "start_seeds": [0, 1], "seeds": [0, 1],
-                              "runs": RUNS + [fp16], "report_steps": [10, 20], "threshold": 0.05})
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "experiment": STEPS_20,
+            "start_seeds": [0, 1],
+            "seeds": [0, 1],
+            "runs": RUNS + [fp16],
+            "report_steps": [10, 20],
+            "threshold": 0.05,
+        },
+    )
     curves = {("fp16", 0, 0): [0.2, 0.34, 0.35], ("fp16", 1, 0): [0.3, 0.40, 0.44]}
     for seed in (0, 1):
         # start 0 (acc 0.2): SR +0.10/+0.12 at step 10 (seeds 0/1), RTN +0.02: RTN lags (0.18x)
@@ -81,15 +98,34 @@ def test_spreads_and_checks_are_over_start_checkpoints(tmp_path):
     within = checks["bf16-sr accuracy within 0.02 of fp32 at [10, 20]"]
     assert within.startswith("- [x]") and "holds at 2/2" in within
     within16 = checks["bf16-sr accuracy within 0.02 of fp16 at [10, 20]"]
-    assert within16.startswith("- [ ]") and "holds at 1/2 start checkpoints (0: largest gap 0.030, 1: largest gap 0.010)" in within16
+    assert (
+        within16.startswith("- [ ]")
+        and "holds at 1/2 start checkpoints (0: largest gap 0.030, 1: largest gap 0.010)" in within16
+    )
     assert (tmp_path / "figure.png").stat().st_size > 0
 
 
 def test_a_sweep_reports_each_learning_rate_with_its_dead_zone(tmp_path):
-    cfg = load_compare(None, {"output_dir": str(tmp_path), "experiment": STEPS_20, "start_seeds": [0], "seeds": [0], "runs": RUNS,
-                              "lrs": [2e-6, 2e-5], "report_steps": [10, 20]})
-    assert [c.label for c in cells(cfg)] == ["fp32@2e-06", "bf16@2e-06", "bf16-sr@2e-06",
-                                             "fp32@2e-05", "bf16@2e-05", "bf16-sr@2e-05"]
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "experiment": STEPS_20,
+            "start_seeds": [0],
+            "seeds": [0],
+            "runs": RUNS,
+            "lrs": [2e-6, 2e-5],
+            "report_steps": [10, 20],
+        },
+    )
+    assert [c.label for c in cells(cfg)] == [
+        "fp32@2e-06",
+        "bf16@2e-06",
+        "bf16-sr@2e-06",
+        "fp32@2e-05",
+        "bf16@2e-05",
+        "bf16-sr@2e-05",
+    ]
     exp = run_config(cfg, cells(cfg)[4], 0, 0)
     assert exp.grpo.lr == 2e-5 and exp.precision.precision == "bf16"
     curves = {}
@@ -104,27 +140,42 @@ def test_a_sweep_reports_each_learning_rate_with_its_dead_zone(tmp_path):
 
 
 def test_a_report_over_unfinished_runs_is_refused_naming_them(tmp_path):
-    cfg = load_compare(None, {"output_dir": str(tmp_path), "experiment": STEPS_20, "start_seeds": [0, 1], "seeds": [0], "runs": RUNS,
-                              "report_steps": [10, 20]})
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "experiment": STEPS_20,
+            "start_seeds": [0, 1],
+            "seeds": [0],
+            "runs": RUNS,
+            "report_steps": [10, 20],
+        },
+    )
     curves = {(c.label, w, 0): [0.2, 0.3, 0.4] for c in cells(cfg) for w in (0, 1)}
     write_curves(cfg, curves)
     cut = run_dir(cfg, cells(cfg)[1], 1, 0) / "metrics.jsonl"  # bf16 from checkpoint 1 stopped at step 12
     cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines()[:13]))
     (run_dir(cfg, cells(cfg)[2], 0, 0) / "metrics.jsonl").unlink()  # bf16-sr from checkpoint 0 never started
-    with pytest.raises(ConfigError, match=r"2 runs under .* are not finished \(bf16/start-1/seed-0, "
-                                          r"bf16-sr/start-0/seed-0\); run 'dist-sr compare' with this config"):
+    with pytest.raises(
+        ConfigError,
+        match=r"2 runs under .* are not finished \(bf16/start-1/seed-0, "
+        r"bf16-sr/start-0/seed-0\); run 'dist-sr compare' with this config",
+    ):
         write_report(cfg)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"start_seeds": []}, "start_seeds must be a non-empty list of ints"),
-    ({"seeds": [1, 1]}, "seeds has duplicates"),
-    ({"runs": [{"name": "a", "precision": "bf16", "seeds": []}], "reference": "a"}, "runs\\[0\\].seeds must be"),
-    ({"lrs": [1e-5, -1.0]}, "lrs must be a list of positive learning rates"),
-    ({"runs": [{"name": "a@b", "precision": "bf16"}], "reference": "a@b"}, "may not contain '@'"),
-    ({"experiment": {"model": {"path": "/models/q"}}, "start_seeds": [0, 1]}, "this experiment has no warm-up"),
-    ({"experiment": {"warmup": {"enabled": False}}, "start_seeds": [0, 1]}, "set start_seeds: \\[0\\]"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"start_seeds": []}, "start_seeds must be a non-empty list of ints"),
+        ({"seeds": [1, 1]}, "seeds has duplicates"),
+        ({"runs": [{"name": "a", "precision": "bf16", "seeds": []}], "reference": "a"}, "runs\\[0\\].seeds must be"),
+        ({"lrs": [1e-5, -1.0]}, "lrs must be a list of positive learning rates"),
+        ({"runs": [{"name": "a@b", "precision": "bf16"}], "reference": "a@b"}, "may not contain '@'"),
+        ({"experiment": {"model": {"path": "/models/q"}}, "start_seeds": [0, 1]}, "this experiment has no warm-up"),
+        ({"experiment": {"warmup": {"enabled": False}}, "start_seeds": [0, 1]}, "set start_seeds: \\[0\\]"),
+    ],
+)
 def test_bad_sweeps_and_start_checkpoints_are_refused(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_compare(None, overrides)
@@ -136,8 +187,18 @@ def test_start_checkpoints_are_warmed_up_from_their_own_seed_and_finished_runs_a
     easy["grpo"].update(steps=2)
     easy["eval"].update(every=1)
     easy["warmup"].update(cache_dir=str(tmp_path / "cache"), max_steps=40)
-    cfg = load_compare(None, {"output_dir": str(tmp_path / "out"), "experiment": easy, "start_seeds": [3, 4],
-                              "seeds": [0], "runs": RUNS[1:], "report_steps": [1, 2], "parallel": 2})
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path / "out"),
+            "experiment": easy,
+            "start_seeds": [3, 4],
+            "seeds": [0],
+            "runs": RUNS[1:],
+            "report_steps": [1, 2],
+            "parallel": 2,
+        },
+    )
     run_comparison(cfg, progress=False)
     from dist_sr.rl.warmup import warmup_checkpoint
 
@@ -168,13 +229,21 @@ def test_the_larger_experiment_runs_its_own_config_for_a_few_steps(tmp_path):
     from safetensors import safe_open
 
     root = Path(__file__).resolve().parents[2]
-    tiny = {"grpo": {"steps": 2, "prompts_per_step": 4},
-            "warmup": {"max_steps": 2, "eval_every": 1, "eval_prompts": 16, "batch_size": 16,
-                       "cache_dir": str(tmp_path / "cache")},
-            "eval": {"every": 1, "num_prompts": 16}}
-    cfg = load_compare(root / "configs" / "compare-large.yaml",
-                       {"output_dir": str(tmp_path / "out"), "start_seeds": [0], "experiment": tiny,
-                        "report_steps": [1, 2]})
+    tiny = {
+        "grpo": {"steps": 2, "prompts_per_step": 4},
+        "warmup": {
+            "max_steps": 2,
+            "eval_every": 1,
+            "eval_prompts": 16,
+            "batch_size": 16,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+        "eval": {"every": 1, "num_prompts": 16},
+    }
+    cfg = load_compare(
+        root / "configs" / "compare-large.yaml",
+        {"output_dir": str(tmp_path / "out"), "start_seeds": [0], "experiment": tiny, "report_steps": [1, 2]},
+    )
     assert {c.spec.precision for c in cells(cfg)} == {"fp32", "fp16", "bf16", "bf16-sr"}
     exp = run_config(cfg, cells(cfg)[0], 0, 0)
     assert exp.task.name == "add" and exp.model.hidden_size == 384  # the GPU config's model and task

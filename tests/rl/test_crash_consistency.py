@@ -32,9 +32,23 @@ def _run(config, fault=None):
     env.pop("DIST_SR_FAULT", None)
     if fault:
         env["DIST_SR_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "dist_sr.launch.cli", "train", "--config", str(config),
-                           "--resume-or-start", "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dist_sr.launch.cli",
+            "train",
+            "--config",
+            str(config),
+            "--resume-or-start",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _records(run_dir):
@@ -45,9 +59,18 @@ def test_a_trainer_killed_in_any_checkpoint_or_metrics_write_finishes_the_same_r
     start = warmup_checkpoint(easy(), progress=False)
 
     def config(name):
-        cfg = easy(precision="bf16-sr", output_dir=str(tmp_path / name), threads=1,
-                   **{"model.path": str(start), "warmup.enabled": False, "grpo.steps": STEPS,
-                      "checkpoint_every": EVERY, "eval.every": 3})
+        cfg = easy(
+            precision="bf16-sr",
+            output_dir=str(tmp_path / name),
+            threads=1,
+            **{
+                "model.path": str(start),
+                "warmup.enabled": False,
+                "grpo.steps": STEPS,
+                "checkpoint_every": EVERY,
+                "eval.every": 3,
+            },
+        )
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return path
@@ -98,7 +121,8 @@ from dist_sr.weightsync.sync import WeightSync
 url, port, version = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(version)
 model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(12)]).to(torch.bfloat16)  # 24 buckets
-r = WeightSync(ReplicatedSource(model), controls([url], 10), bucket_mb=0.002, timeout_s=10, group_port=port).sync(version)
+ws = WeightSync(ReplicatedSource(model), controls([url], 10), bucket_mb=0.002, timeout_s=10, group_port=port)
+r = ws.sync(version)
 print(r.digest, r.ready)
 """
 
@@ -107,10 +131,17 @@ print(r.digest, r.ready)
 def test_a_trainer_killed_mid_sync_leaves_no_engine_claiming_verified_weights(seed, tmp_path):
     receiver, url = start_receiver()
     try:
+
         def sync(version, fault=None):
             env = {**os.environ, **({"DIST_SR_FAULT": fault} if fault else {})}
-            return subprocess.run([sys.executable, "-c", SYNC, url, str(free_port()), str(version)], cwd=REPO,
-                                  env=env, capture_output=True, text=True, timeout=120)
+            return subprocess.run(
+                [sys.executable, "-c", SYNC, url, str(free_port()), str(version)],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
 
         done = sync(1)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -21,11 +21,15 @@ def _train_worker(rank, world_size, data):
     train(cfg, progress=False)
 
 
-@pytest.mark.parametrize("distributed", [
-    {"engine": "deepspeed", "zero_stage": 2},
-    {"engine": "deepspeed", "zero_stage": 3},
-    {"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
-], ids=["zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize(
+    "distributed",
+    [
+        {"engine": "deepspeed", "zero_stage": 2},
+        {"engine": "deepspeed", "zero_stage": 3},
+        {"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
+    ],
+    ids=["zero2", "zero3", "fsdp2"],
+)
 def test_distributed_grpo_learns_with_rollouts_on_the_training_bits(distributed, warmup_cache, tmp_path):
     data = {k: dict(v) for k, v in EASY.items()}
     data["warmup"]["cache_dir"] = warmup_cache
@@ -52,12 +56,18 @@ def _metrics(path):
     return [{k: v for k, v in json.loads(line).items() if k != "step_time"} for line in open(path / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("distributed, precision", [
-    ({"engine": "deepspeed", "zero_stage": 2}, "bf16-sr"),
-    ({"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}}, "bf16-sr"),
-    ({"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
-     {"precision": "bf16-pure-sr", "moment_dtype": "bf16"}),
-], ids=["zero2", "fsdp2", "fsdp2-pure-bf16"])
+@pytest.mark.parametrize(
+    "distributed, precision",
+    [
+        ({"engine": "deepspeed", "zero_stage": 2}, "bf16-sr"),
+        ({"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}}, "bf16-sr"),
+        (
+            {"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
+            {"precision": "bf16-pure-sr", "moment_dtype": "bf16"},
+        ),
+    ],
+    ids=["zero2", "fsdp2", "fsdp2-pure-bf16"],
+)
 def test_run_resumes_on_the_same_metric_curve(distributed, precision, warmup_cache, tmp_path):
     """Stopped after step 4 and resumed, a run logs exactly the uninterrupted run's metrics."""
     data = {k: dict(v) for k, v in EASY.items()}
@@ -136,12 +146,20 @@ def test_deepspeed_bf16_never_steps_on_a_non_finite_loss(warmup_cache, tmp_path)
     data = {k: dict(v) for k, v in EASY.items()}
     data["warmup"]["cache_dir"] = warmup_cache
     data["grpo"].update(steps=12, lr=1e30)
-    data.update(output_dir=str(tmp_path / "run"), precision="bf16-sr", checkpoint_every=0,
-                distributed={"engine": "deepspeed", "zero_stage": 2})
+    data.update(
+        output_dir=str(tmp_path / "run"),
+        precision="bf16-sr",
+        checkpoint_every=0,
+        distributed={"engine": "deepspeed", "zero_stage": 2},
+    )
     run_workers(_nonfinite_worker, 2, data, str(tmp_path / "outcome"))
     for rank in (0, 1):
         assert "steps 2..4 had a non-finite loss or gradient" in (tmp_path / f"outcome.{rank}").read_text()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [(r["step"], r["nonfinite"], r["skipped"]) for r in rows[1:]] == [
-        (1, False, False), (2, True, True), (3, True, True), (4, True, True)]
+        (1, False, False),
+        (2, True, True),
+        (3, True, True),
+        (4, True, True),
+    ]
     assert not (tmp_path / "run" / "deepspeed").exists()

@@ -13,9 +13,7 @@ from dist_sr.rl.grpo import grpo_loss
 from dist_sr.rl.mismatch import importance_weights, mismatch_metrics
 
 # r = trainer - engine per token; the last token of row 1 and the last two of row 2 are padding
-R = torch.tensor([[0.0, 0.5, -0.2, 1.0],
-                  [-1.5, 0.05, 0.0, 9.0],
-                  [0.3, 0.3, 7.0, -7.0]])
+R = torch.tensor([[0.0, 0.5, -0.2, 1.0], [-1.5, 0.05, 0.0, 9.0], [0.3, 0.3, 7.0, -7.0]])
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
 
 
@@ -109,8 +107,9 @@ def test_a_run_with_an_engine_off_by_a_known_amount_logs_it(easy, correction):
         def generate(self, prompts, **kw):
             ro = super().generate(prompts, **kw)
             with torch.no_grad():
-                logits = sequence_logits(self.model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                         ro.completion_mask)
+                logits = sequence_logits(
+                    self.model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask
+                )
                 ro.engine_logprobs = (token_logprobs(logits, ro.completion_ids) - 0.25) * ro.completion_mask
             return ro
 

@@ -13,6 +13,7 @@ from dist_sr.rl.trainer import NonFiniteTraining, read_metrics, train
 
 def strict_records(path):
     """Parse metrics as strict JSON (a bare NaN or Infinity is an error)."""
+
     def refuse(token):
         raise ValueError(f"non-standard JSON constant {token}")
 
@@ -45,8 +46,9 @@ def test_resume_needs_a_checkpoint_unless_asked_to_start_fresh(easy, capsys):
 
 def test_resume_refuses_a_checkpoint_beyond_the_configured_steps_and_changed_settings(easy):
     train(easy(**{"grpo.steps": 6}), progress=False, stop_at=5)
-    with pytest.raises(ConfigError, match="checkpoint in .* is at step 5, beyond grpo.steps=3; set grpo.steps to at "
-                                          "least 5"):
+    with pytest.raises(
+        ConfigError, match="checkpoint in .* is at step 5, beyond grpo.steps=3; set grpo.steps to at least 5"
+    ):
         train(easy(**{"grpo.steps": 3}), progress=False, resume=True)
     with pytest.raises(ConfigError, match=r"trained with other settings \(grpo.lr: 0.003 -> 0.001\)"):
         train(easy(**{"grpo.steps": 6, "grpo.lr": 1e-3}), progress=False, resume=True)
@@ -80,12 +82,19 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_without_a_bad_che
     """lr = 1e30 blows the weights up; the next losses are NaN/Inf: skipped, recorded as null in
     strict JSON, and three in a row stop the run; nothing non-finite is ever saved."""
     cfg = easy(**{"grpo.steps": 12, "grpo.lr": 1e30, "checkpoint_every": 0})
-    with pytest.raises(NonFiniteTraining, match=r"steps 2\.\.4 had a non-finite loss or gradient and were skipped; "
-                                                r"stopping \(no checkpoint was written\)"):
+    with pytest.raises(
+        NonFiniteTraining,
+        match=r"steps 2\.\.4 had a non-finite loss or gradient and were skipped; "
+        r"stopping \(no checkpoint was written\)",
+    ):
         train(cfg, progress=False)
     records = strict_records(cfg_metrics(cfg))
     assert [(r["step"], r["nonfinite"], r["skipped"]) for r in records[1:]] == [
-        (1, False, False), (2, True, True), (3, True, True), (4, True, True)]
+        (1, False, False),
+        (2, True, True),
+        (3, True, True),
+        (4, True, True),
+    ]
     assert all(r["loss"] is None and r["grad_norm"] is None for r in records[2:])  # NaN written as null
     assert not (cfg_dir(cfg) / "checkpoint.pt").exists()
 
@@ -135,8 +144,12 @@ def test_refusals_that_can_come_before_compute_do(easy, tmp_path, monkeypatch):
         locked = Path("/proc/dist-sr-run")
     with pytest.raises(RunDirectoryError, match="cannot be created or written"):
         train(easy(output_dir=str(locked / "run")), progress=False)
-    huge = {"model.hidden_size": 16384, "model.intermediate_size": 65536, "model.num_hidden_layers": 48,
-            "model.num_attention_heads": 128}
+    huge = {
+        "model.hidden_size": 16384,
+        "model.intermediate_size": 65536,
+        "model.num_hidden_layers": 48,
+        "model.num_attention_heads": 128,
+    }
     with pytest.raises(TooLarge, match=r"the model has \d+\.\dM parameters; .* 24 bytes per parameter .* GiB"):
         train(easy(**huge), progress=False)
 
@@ -155,8 +168,11 @@ def test_a_run_that_skips_its_steps_stops_instead_of_finishing_untrained(easy):
     from dist_sr.rl.trainer import TooManySkippedSteps
 
     cfg = easy(precision={"precision": "fp16", "loss_scale": 1e30}, **{"grpo.steps": 8, "checkpoint_every": 0})
-    with pytest.raises(TooManySkippedSteps, match=r"3 of the 3 steps run so far were skipped.*"
-                                                  r"max_skipped_fraction=0.25 of grpo.steps=8"):
+    with pytest.raises(
+        TooManySkippedSteps,
+        match=r"3 of the 3 steps run so far were skipped.*"
+        r"max_skipped_fraction=0.25 of grpo.steps=8",
+    ):
         train(cfg, progress=False)
     assert [r["skipped"] for r in strict_records(cfg_metrics(cfg))[1:]] == [True, True, True]
 
@@ -175,12 +191,19 @@ def test_the_command_line_turns_the_projects_refusals_into_one_line(easy, tmp_pa
     path.write_text(yaml.safe_dump(to_dict(cfg)))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    cases = [({}, ["--resume"], "checkpoint refused: ", "no checkpoint verifies"),
-             ({"DIST_SR_SYNC_SECRET": "short"}, [], "secret: ", "use at least 16"),
-             ({}, ["--output-dir", str(path)], "run directory: ", "is not a directory")]
+    cases = [
+        ({}, ["--resume"], "checkpoint refused: ", "no checkpoint verifies"),
+        ({"DIST_SR_SYNC_SECRET": "short"}, [], "secret: ", "use at least 16"),
+        ({}, ["--output-dir", str(path)], "run directory: ", "is not a directory"),
+    ]
     for env, args, kind, words in cases:
-        r = subprocess.run([sys.executable, "-m", "dist_sr.launch.cli", "train", str(path), "--no-progress", *args],
-                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        r = subprocess.run(
+            [sys.executable, "-m", "dist_sr.launch.cli", "train", str(path), "--no-progress", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **env},
+        )
         assert r.returncode == 2, (args, r.stderr[-2000:])
         lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dist-sr train: ")]
         assert len(lines) == 1 and kind in lines[0] and words in lines[0], r.stderr[-2000:]

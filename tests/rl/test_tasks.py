@@ -27,14 +27,17 @@ def test_addition_task_and_reward():
         assert task.reward(ex.answer, ex.answer) == 1.0 and task.reward(task.distractor(ex), ex.answer) == 0.0
 
 
-@pytest.mark.parametrize("text,answer", [
-    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
-    ("so the total is 1,234 dollars #### 1,234", "1234"),
-    ("The answer is 15.", "15"),
-    ("#### -7", "-7"),
-    ("it costs 3.0", "3"),
-    ("no number here", "no number here"),
-])
+@pytest.mark.parametrize(
+    "text,answer",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+        ("so the total is 1,234 dollars #### 1,234", "1234"),
+        ("The answer is 15.", "15"),
+        ("#### -7", "-7"),
+        ("it costs 3.0", "3"),
+        ("no number here", "no number here"),
+    ],
+)
 def test_gsm8k_answer_extraction(text, answer):
     assert gsm8k_answer(text) == answer
 

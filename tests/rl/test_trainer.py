@@ -53,8 +53,9 @@ def test_rollouts_from_other_weights_are_caught(easy):
 
 
 def test_resuming_continues_the_same_metric_curve(easy, tmp_path):
-    straight = metrics(train(easy(precision="bf16-sr", output_dir=str(tmp_path / "a"), **{"grpo.steps": 10}),
-                             progress=False))
+    straight = metrics(
+        train(easy(precision="bf16-sr", output_dir=str(tmp_path / "a"), **{"grpo.steps": 10}), progress=False)
+    )
     cfg = easy(precision="bf16-sr", output_dir=str(tmp_path / "b"), **{"grpo.steps": 10})
     train(cfg, progress=False, stop_at=4)
     resumed = metrics(train(cfg, progress=False, resume=True))

@@ -8,8 +8,12 @@ import json
 import os
 import sys
 
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-                  VLLM_CPU_OMP_THREADS_BIND="nobind")
+os.environ.update(
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    OMP_NUM_THREADS="1",
+    VLLM_CPU_OMP_THREADS_BIND="nobind",
+)
 
 from safetensors.torch import load_file  # noqa: E402
 from vllm import LLM  # noqa: E402
@@ -18,8 +22,14 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=64, max_num_seqs=4,
-              worker_extension_cls="dist_sr.rollout.vllm.plugin.WorkerExtension")
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        worker_extension_cls="dist_sr.rollout.vllm.plugin.WorkerExtension",
+    )
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
     first = llm.collective_rpc("dist_sr_held_weights")[0]
     held = {"method": first["method"], "loaded": first["digests"]}

@@ -11,8 +11,10 @@ from dist_sr.rollout.vllm.held import load_record, record_loads, report
 
 def test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on():
     g = torch.Generator().manual_seed(0)
-    sent = {"model.embed_tokens.weight": torch.randn(5, 3, generator=g),
-            "model.norm.weight": torch.randn(4, generator=g).to(torch.bfloat16)}
+    sent = {
+        "model.embed_tokens.weight": torch.randn(5, 3, generator=g),
+        "model.norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+    }
     seen = []
 
     class Model(torch.nn.Module):
@@ -26,8 +28,10 @@ def test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on():
     assert model.load_weights(iter(sent.items())) == set(sent)
     assert [(n, t) for n, t in seen] == list(sent.items()) and seen[0][1] is sent["model.embed_tokens.weight"]
     stored = {n: t.to(torch.bfloat16) for n, t in sent.items()}
-    assert report(model) == {"method": "recorded at load", "digests": {
-        n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in tensor_sums(stored).items()}}
+    assert report(model) == {
+        "method": "recorded at load",
+        "digests": {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in tensor_sums(stored).items()},
+    }
     # a later push of one tensor replaces that tensor's entry only
     update = torch.randn(5, 3, generator=g)
     model.load_weights([("model.embed_tokens.weight", update)])

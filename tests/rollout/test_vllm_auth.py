@@ -34,11 +34,16 @@ class Recorder:
 def call(app, method, path, body=b"", headers=None, chunks=1, kind="http"):
     """Run one request through ``app``; returns (status, body) or the websocket messages."""
     path_only, _, query = path.partition("?")
-    scope = {"type": kind, "method": method, "path": path_only, "raw_path": path_only.encode(),
-             "query_string": query.encode(),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    scope = {
+        "type": kind,
+        "method": method,
+        "path": path_only,
+        "raw_path": path_only.encode(),
+        "query_string": query.encode(),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+    }
     size = max(1, len(body) // chunks + 1)
-    parts = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
+    parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
     messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
     sent = []
 
@@ -60,18 +65,34 @@ def test_control_routes_need_a_signature_and_the_app_never_sees_an_unsigned_one(
     inner = Recorder()
     app = SyncAuthMiddleware(inner, secret=SECRET)
     body = json.dumps({"init_info": {"master_address": "10.6.6.6"}}).encode()
-    for path in ["/init_weight_transfer_engine", "/update_weights", "/collective_rpc", "/sleep", "/wake_up",
-                 "/pause", "/reset_prefix_cache", "/start_profile", "/v1/load_lora_adapter", "/some_future_route"]:
+    for path in [
+        "/init_weight_transfer_engine",
+        "/update_weights",
+        "/collective_rpc",
+        "/sleep",
+        "/wake_up",
+        "/pause",
+        "/reset_prefix_cache",
+        "/start_profile",
+        "/v1/load_lora_adapter",
+        "/some_future_route",
+    ]:
         code, reply = call(app, "POST", path, body)
         assert code == 401 and b"unauthenticated" in reply, path
-    code, reply = call(app, "POST", "/collective_rpc", body,
-                       auth.sign_request(b"not-the-secret-0123456789abcdef", "POST", "/collective_rpc", body))
+    code, reply = call(
+        app,
+        "POST",
+        "/collective_rpc",
+        body,
+        auth.sign_request(b"not-the-secret-0123456789abcdef", "POST", "/collective_rpc", body),
+    )
     assert code == 401 and b"bad signature" in reply
     assert inner.seen == []
     assert call(app, "websocket", "/collective_rpc", kind="websocket") == [{"type": "websocket.close", "code": 1008}]
     # signed: passes, with the body intact even when it arrived in pieces
-    code, _ = call(app, "POST", "/pause?mode=abort", body, auth.sign_request(SECRET, "POST", "/pause?mode=abort", body),
-                   chunks=5)
+    code, _ = call(
+        app, "POST", "/pause?mode=abort", body, auth.sign_request(SECRET, "POST", "/pause?mode=abort", body), chunks=5
+    )
     assert code == 200 and inner.seen == [("POST", "/pause", body)]
     # the query string is signed too
     code, _ = call(app, "POST", "/pause?mode=keep", body, auth.sign_request(SECRET, "POST", "/pause?mode=abort", body))
@@ -81,11 +102,21 @@ def test_control_routes_need_a_signature_and_the_app_never_sees_an_unsigned_one(
 def test_inference_and_health_stay_public_and_oversized_bodies_are_refused_unread():
     inner = Recorder()
     app = SyncAuthMiddleware(inner, secret=SECRET)
-    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                         ("GET", "/health"), ("GET", "/metrics")]:
+    for method, path in [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+    ]:
         assert call(app, method, path)[0] == 200
-    assert [p for _, p, _ in inner.seen] == ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                             "/metrics"]
+    assert [p for _, p, _ in inner.seen] == [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+    ]
     assert not is_public("/v1/unload_lora_adapter") and not is_public("/get_world_size")
     big = b"x" * (auth.MAX_BODY_BYTES + 10)
     code, reply = call(app, "POST", "/update_weights", big, chunks=4)

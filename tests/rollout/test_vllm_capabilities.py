@@ -47,8 +47,10 @@ def test_the_installed_vllm_offers_every_api_the_backend_and_the_record_need():
     caps = probe()
     assert caps["backend"] is None and caps["record"] is None, caps
     # 0.25 and later: (vllm_config, device, model) and the engine runs the reload; 0.24: the worker does
-    assert (caps["args"], caps["lifecycle"]) in ((["vllm_config", "device", "model"], True),
-                                                 (["parallel_config", "model"], False)), caps
+    assert (caps["args"], caps["lifecycle"]) in (
+        (["vllm_config", "device", "model"], True),
+        (["parallel_config", "model"], False),
+    ), caps
 
 
 def test_a_vllm_without_the_apis_is_refused_naming_what_is_missing():

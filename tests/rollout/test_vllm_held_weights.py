@@ -45,8 +45,20 @@ def test_held_weights_digest_matches_the_trainer_whatever_the_transport(tmp_path
     save_file({n: t.contiguous() for n, t in keyed.items()}, str(tmp_path / "keyed.safetensors"))
 
     out = tmp_path / "held.json"
-    r = subprocess.run([str(VLLM_PYTHON), str(REPO / "tests" / "rollout" / "held_weights_run.py"), str(model_dir),
-                        str(out), str(tmp_path / "fp32.safetensors"), str(tmp_path / "keyed.safetensors")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            str(REPO / "tests" / "rollout" / "held_weights_run.py"),
+            str(model_dir),
+            str(out),
+            str(tmp_path / "fp32.safetensors"),
+            str(tmp_path / "keyed.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     held = json.loads(out.read_text())
     assert held["method"] == "recorded at load"
@@ -58,5 +70,7 @@ def test_held_weights_digest_matches_the_trainer_whatever_the_transport(tmp_path
     assert digest(held["fp32"]) != combine(tensor_sums(keyed))
     # the same push through export_bf16: the engine holds the trainer's keyed bits
     assert digest(held["keyed"]) == combine(tensor_sums(keyed))
-    assert all(torch.equal(keyed[n].view(torch.int16), stochastic_round(m, seed=SEED, step=2, param=n).view(torch.int16))
-               for n, m in update.items())
+    assert all(
+        torch.equal(keyed[n].view(torch.int16), stochastic_round(m, seed=SEED, step=2, param=n).view(torch.int16))
+        for n, m in update.items()
+    )

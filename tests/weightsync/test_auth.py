@@ -32,9 +32,11 @@ def test_a_signed_request_verifies_once_and_any_change_is_refused():
     body = b'{"init_info": {}}'
     v.request("POST", "/update_weights", body, auth.sign_request(SECRET, "POST", "/update_weights", body))
     headers = auth.sign_request(SECRET, "POST", "/pause?mode=abort", body)
-    for method, path, data, why in [("POST", "/pause?mode=abort", body + b" ", "bad signature"),
-                                    ("POST", "/pause?mode=keep", body, "bad signature"),
-                                    ("PUT", "/pause?mode=abort", body, "bad signature")]:
+    for method, path, data, why in [
+        ("POST", "/pause?mode=abort", body + b" ", "bad signature"),
+        ("POST", "/pause?mode=keep", body, "bad signature"),
+        ("PUT", "/pause?mode=abort", body, "bad signature"),
+    ]:
         with pytest.raises(auth.AuthError, match=why):
             v.request(method, path, data, headers)
     v.request("POST", "/pause?mode=abort", body, headers)
@@ -115,21 +117,31 @@ def test_without_the_secret_nobody_can_push_weights_and_what_the_receiver_holds_
     trainer's version and digests."""
     _, url = receiver()
     model = _model()
-    ws = WeightSync(ReplicatedSource(model), controls([url], 10), bucket_mb=0.002, timeout_s=10,
-                    group_port=free_port())
+    ws = WeightSync(ReplicatedSource(model), controls([url], 10), bucket_mb=0.002, timeout_s=10, group_port=free_port())
     assert ws.sync(1).ready == [url]
     before = VLLMControl(url, 10).report()
     assert before[0]["version"] == 1 and combine(tensor_sums(dict(model.named_parameters()))) == ws.last.digest
 
     attacker_port = free_port()
     store = open_store("127.0.0.1", attacker_port, is_master=True, timeout_s=5)  # the attacker's rendezvous
-    init = {"master_address": "127.0.0.1", "master_port": attacker_port, "rank_offset": 1, "world_size": 2,
-            "senders": 1, "generation": 1, "timeout_s": 5}
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": attacker_port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "senders": 1,
+        "generation": 1,
+        "timeout_s": 5,
+    }
     plan = ws.plan(999).to_json()
-    for path, body in [("/init_weight_transfer_engine", {"init_info": init}), ("/start_weight_update", {}),
-                       ("/update_weights", {"update_info": {"plan": plan}}),
-                       ("/finish_weight_update", {"weight_version": "999"}), ("/pause", {}),
-                       ("/collective_rpc", {"method": "dist_sr_weight_report"})]:
+    for path, body in [
+        ("/init_weight_transfer_engine", {"init_info": init}),
+        ("/start_weight_update", {}),
+        ("/update_weights", {"update_info": {"plan": plan}}),
+        ("/finish_weight_update", {"weight_version": "999"}),
+        ("/pause", {}),
+        ("/collective_rpc", {"method": "dist_sr_weight_report"}),
+    ]:
         code, reply = _raw(url, path, json.dumps(body).encode(), {"content-type": "application/json"})
         assert code == 401 and "unauthenticated" in reply["error"], (path, code, reply)
     with pytest.raises(EngineError, match="HTTP 401.*bad signature"):  # a wrong secret is no better
@@ -141,9 +153,12 @@ def test_without_the_secret_nobody_can_push_weights_and_what_the_receiver_holds_
     code, reply = _raw(url, "/collective_rpc", body, headers)
     assert code == 401 and "replayed" in reply["error"]
     # a holder of the HTTP signature still needs the payload's own: an unsigned init_info is refused
-    code, reply = _raw(url, "/init_weight_transfer_engine", json.dumps({"init_info": init}).encode(),
-                       auth.sign_request(SECRET, "POST", "/init_weight_transfer_engine",
-                                         json.dumps({"init_info": init}).encode()))
+    code, reply = _raw(
+        url,
+        "/init_weight_transfer_engine",
+        json.dumps({"init_info": init}).encode(),
+        auth.sign_request(SECRET, "POST", "/init_weight_transfer_engine", json.dumps({"init_info": init}).encode()),
+    )
     assert code == 401 and "unauthenticated init_info" in reply["error"]
     assert VLLMControl(url, 10).report() == before
     assert store.num_keys() <= 1  # nobody came to the attacker's store
@@ -155,8 +170,7 @@ def test_without_the_secret_nobody_can_push_weights_and_what_the_receiver_holds_
 def test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing(receiver):
     _, url = receiver("--max-mb", "0.05", "--request-timeout", "1")
     model = _model()
-    ws = WeightSync(ReplicatedSource(model), controls([url], 10), bucket_mb=0.002, timeout_s=10,
-                    group_port=free_port())
+    ws = WeightSync(ReplicatedSource(model), controls([url], 10), bucket_mb=0.002, timeout_s=10, group_port=free_port())
     assert ws.sync(1).ready == [url]
     before = VLLMControl(url, 10).report()
 
@@ -166,8 +180,15 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing(receiver):
     assert signed("/start_weight_update", b"{not json")[0] == 400
     # an init the receiver cannot act on is refused, and its groups stay (the next sync works)
     c = VLLMControl(url, 10)
-    init = {"master_address": "127.0.0.1", "master_port": ws.group_port, "rank_offset": 1, "world_size": 2,
-            "senders": 1, "generation": 7, "timeout_s": 86400}
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": ws.group_port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "senders": 1,
+        "generation": 7,
+        "timeout_s": 86400,
+    }
     with pytest.raises(EngineError, match=r"HTTP 400.*timeout_s=86400.*\(0, 3600\]"):
         c.init_transfer(init)
     with pytest.raises(EngineError, match=r"HTTP 400.*rank_offset"):
@@ -195,8 +216,14 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing(receiver):
 
 def test_a_receiver_without_a_secret_does_not_start(receiver):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIST_SR_SYNC_SECRET")}
-    p = subprocess.run([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(free_port())], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(free_port())],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode != 0 and "no sync secret" in p.stderr and "DIST_SR_SYNC_SECRET" in p.stderr
 
 
@@ -228,8 +255,9 @@ def test_the_trainer_sees_an_engine_that_changed_after_it_was_verified(receiver)
     _, a = receiver()
     pb, b = receiver()
     model = _model()
-    ws = WeightSync(ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10,
-                    group_port=free_port())
+    ws = WeightSync(
+        ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10, group_port=free_port()
+    )
     assert ws.sync(1).ready == [a, b]
     assert ws.changed([a, b]) == []
     VLLMControl(a, 10).start_update()  # weights now partly open for loading

@@ -30,8 +30,9 @@ class SRSteps:
     def __init__(self, model, seed=5):
         self.model, self.seed = model, seed
         self.gen = torch.Generator().manual_seed(seed)
-        self.shadows = {n: p.detach().float() + 1e-3 * torch.randn(p.shape, generator=self.gen)
-                        for n, p in model.named_parameters()}
+        self.shadows = {
+            n: p.detach().float() + 1e-3 * torch.randn(p.shape, generator=self.gen) for n, p in model.named_parameters()
+        }
 
     def step(self, version: int) -> None:
         with torch.no_grad():
@@ -56,8 +57,14 @@ def test_fifty_delta_syncs_with_a_restart_and_a_damaged_delta(tmp_path):
         a, b, c = urls
         model = _model()
         steps = SRSteps(model)
-        ws = WeightSync(ReplicatedSource(model), controls(urls, 10), bucket_mb=0.01, timeout_s=10,
-                        group_port=free_port(), delta=True)
+        ws = WeightSync(
+            ReplicatedSource(model),
+            controls(urls, 10),
+            bucket_mb=0.01,
+            timeout_s=10,
+            group_port=free_port(),
+            delta=True,
+        )
         numel = sum(p.numel() for p in model.parameters())
         results = []
         for version in range(1, 51):
@@ -100,16 +107,30 @@ def _worker(rank, world, data):
     steps = SRSteps(model)
     out = {}
     for transport, port in data["ports"].items():
-        ws = WeightSync(ReplicatedSource(model, rank, world), controls(data["urls"], 30), transport=transport,
-                        bucket_mb=0.01, timeout_s=30, group_port=port, delta=True)
+        ws = WeightSync(
+            ReplicatedSource(model, rank, world),
+            controls(data["urls"], 30),
+            transport=transport,
+            bucket_mb=0.01,
+            timeout_s=30,
+            group_port=port,
+            delta=True,
+        )
         rows = []
         for version in range(1, 6):
             steps.step(version + (100 if transport == "shard-direct" else 0))
             r = ws.sync(version)
             sent = [None] * world
             torch.distributed.all_gather_object(sent, r.bytes_sent)
-            rows.append({"digest": r.digest, "ready": r.ready, "base": r.delta_base, "sent": sent,
-                         "expected": combine(tensor_sums(dict(model.named_parameters())))})
+            rows.append(
+                {
+                    "digest": r.digest,
+                    "ready": r.ready,
+                    "base": r.delta_base,
+                    "sent": sent,
+                    "expected": combine(tensor_sums(dict(model.named_parameters()))),
+                }
+            )
         out[transport] = rows
     if rank == 0:
         out["numel"] = sum(p.numel() for p in model.parameters())
@@ -124,8 +145,11 @@ def test_deltas_from_two_ranks_on_both_transports(tmp_path):
             wait_healthy(p, url)
         urls = [u for _, u in procs]
         out = tmp_path / "r.json"
-        run_workers(_worker, 2, {"urls": urls, "out": str(out),
-                                 "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
+        run_workers(
+            _worker,
+            2,
+            {"urls": urls, "out": str(out), "ports": {"broadcast": free_port(), "shard-direct": free_port()}},
+        )
         r = json.loads(out.read_text())
         for transport in ("broadcast", "shard-direct"):
             rows = r[transport]

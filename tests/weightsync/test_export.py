@@ -57,7 +57,6 @@ def _fsdp2_worker(rank, world_size):
         assert torch.equal(flat, bits(full).reshape(-1)) and bool((covered == 1).all()), name
 
 
-
 @pytest.mark.slow
 def test_fsdp2_rollout_weights_and_export_are_the_forward_bits():
     run_workers(_fsdp2_worker, 2)
@@ -100,8 +99,16 @@ def _tied_frozen_worker(rank, world_size):
     from dist_sr.engines import fsdp2
     from tests.engines.test_fsdp2 import capture_working, train
 
-    config = Qwen2Config(vocab_size=5, hidden_size=24, intermediate_size=41, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=5,
+        hidden_size=24,
+        intermediate_size=41,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.model.norm.weight.requires_grad_(False)
@@ -116,8 +123,9 @@ def _tied_frozen_worker(rank, world_size):
     masters = fsdp2.full_master(model)
     exported = dict(rollout_weights(model))
     used = capture_working(model)
-    assert "lm_head.weight" not in exported and torch.equal(bits(used["lm_head.weight"]),
-                                                            bits(used["model.embed_tokens.weight"]))
+    assert "lm_head.weight" not in exported and torch.equal(
+        bits(used["lm_head.weight"]), bits(used["model.embed_tokens.weight"])
+    )
     assert_same(exported, {n: used[n] for n in exported})  # the forward's bits, frozen norm included
     frozen = "model.norm.weight"
     assert torch.equal(bits(exported[frozen]), bits(masters[frozen].to(torch.bfloat16)))  # RTN, as FSDP2 casts it
@@ -163,9 +171,13 @@ def test_export_refuses_what_it_cannot_round_faithfully():
     ctx = fsdp2.prepare(model, seed=9)
     w = torch.randn(3, 24)
     ctx.step = 5
-    assert torch.equal(bits(export_bf16("module.model.embed_tokens.weight", w)),  # wrapper prefixes removed
-                       bits(stochastic_round(w, seed=9, step=5, param="model.embed_tokens.weight")))
-    assert torch.equal(bits(export_bf16("lm_head.weight", w)), bits(w.to(torch.bfloat16)))  # frozen: RTN, as the forward
+    assert torch.equal(
+        bits(export_bf16("module.model.embed_tokens.weight", w)),  # wrapper prefixes removed
+        bits(stochastic_round(w, seed=9, step=5, param="model.embed_tokens.weight")),
+    )
+    assert torch.equal(
+        bits(export_bf16("lm_head.weight", w)), bits(w.to(torch.bfloat16))
+    )  # frozen: RTN, as the forward
     with pytest.raises(KeyError, match="not the rollout engine's"):
         export_bf16("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(3))
     with pytest.raises(TypeError, match="FP16 is not supported"):
@@ -176,6 +188,8 @@ def test_export_refuses_what_it_cannot_round_faithfully():
     other = fsdp2.prepare(tiny_qwen2(), seed=10)  # a second SR model with the same names: ambiguous
     with pytest.raises(RuntimeError, match="pass key="):
         export_bf16("model.embed_tokens.weight", w)
-    assert torch.equal(bits(export_bf16("model.embed_tokens.weight", w, key=other)),
-                       bits(stochastic_round(w, seed=10, step=0, param="model.embed_tokens.weight")))
+    assert torch.equal(
+        bits(export_bf16("model.embed_tokens.weight", w, key=other)),
+        bits(stochastic_round(w, seed=10, step=0, param="model.embed_tokens.weight")),
+    )
     del model, ctx, other

@@ -42,8 +42,14 @@ def _worker(rank, world, data):
     model = _model()
     out = {}
     for transport, port in data["ports"].items():
-        ws = WeightSync(ReplicatedSource(model, rank, world), controls(data["urls"], 30), transport=transport,
-                        bucket_mb=0.01, timeout_s=30, group_port=port)
+        ws = WeightSync(
+            ReplicatedSource(model, rank, world),
+            controls(data["urls"], 30),
+            transport=transport,
+            bucket_mb=0.01,
+            timeout_s=30,
+            group_port=port,
+        )
         r = ws.sync(4)
         out[transport] = {"digest": r.digest, "ready": r.ready, "bytes": r.bytes_sent}
     if rank == 0:
@@ -55,8 +61,9 @@ def _worker(rank, world, data):
 def _sync_with_both_transports(worker, world: int, urls: list[str], tmp_path) -> dict:
     """Run ``worker`` on ``world`` ranks, which syncs to ``urls`` once per transport; its rank 0's report."""
     out = tmp_path / "r.json"
-    run_workers(worker, world, {"urls": urls, "out": str(out),
-                                "ports": {"broadcast": free_port(), "shard-direct": free_port()}})
+    run_workers(
+        worker, world, {"urls": urls, "out": str(out), "ports": {"broadcast": free_port(), "shard-direct": free_port()}}
+    )
     return json.loads(out.read_text())
 
 
@@ -72,8 +79,9 @@ def test_three_receivers_get_the_same_bytes_from_two_ranks_with_both_transports(
 def test_a_receiver_killed_mid_sync_is_dropped_and_the_rest_are_verified(receivers):
     (pa, a), (pb, b) = receivers(2)
     model = _model()
-    ws = WeightSync(ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10,
-                    group_port=free_port())
+    ws = WeightSync(
+        ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10, group_port=free_port()
+    )
     assert ws.sync(1).ready == [a, b]
 
     def kill_b(index, total):
@@ -93,8 +101,9 @@ def test_a_receiver_holding_other_bits_is_named_with_its_tensor_and_gets_no_roll
     ((_, a),) = receivers(1)
     ((_, b),) = receivers(1, "--corrupt", "1.weight")
     model = _model()
-    ws = WeightSync(ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10,
-                    group_port=free_port())
+    ws = WeightSync(
+        ReplicatedSource(model), controls([a, b], 10), bucket_mb=0.002, timeout_s=10, group_port=free_port()
+    )
     r = ws.sync(1)
     assert r.ready == [a]
     assert [e.state for e in ws.engines] == ["ready", "pending"]
@@ -121,12 +130,19 @@ def _hsdp_worker(rank, world, data):
         fully_shard(layer, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
     fully_shard(model, mesh=mesh, mp_policy=fsdp2.MIXED_PRECISION)
     ctx.step = 3
-    expected = combine(tensor_sums({n: stochastic_round(t, seed=21, step=3, param=n)
-                                    for n, t in fsdp2.full_master(model).items()}))
+    expected = combine(
+        tensor_sums({n: stochastic_round(t, seed=21, step=3, param=n) for n, t in fsdp2.full_master(model).items()})
+    )
     out = {}
     for transport, port in data["ports"].items():
-        ws = WeightSync(FSDP2Source(model, ctx, rank, world), controls(data["urls"], 30), transport=transport,
-                        bucket_mb=0.05, timeout_s=30, group_port=port)
+        ws = WeightSync(
+            FSDP2Source(model, ctx, rank, world),
+            controls(data["urls"], 30),
+            transport=transport,
+            bucket_mb=0.05,
+            timeout_s=30,
+            group_port=port,
+        )
         r = ws.sync(1)
         sent = [None] * world
         torch.distributed.all_gather_object(sent, r.bytes_sent)

@@ -16,8 +16,7 @@ def test_a_snapshot_reloads_bit_for_bit_and_current_moves_atomically(tmp_path):
     for version in (0, 1, 2):
         with torch.no_grad():
             model.lm_head.weight.add_(0.125)
-        path = write_snapshot(ReplicatedSource(model), root, version, config=model.config, tokenizer=tok,
-                              bucket_mb=0.1)
+        path = write_snapshot(ReplicatedSource(model), root, version, config=model.config, tokenizer=tok, bucket_mb=0.1)
         assert (root / "current").resolve() == path.resolve() == (root / f"v{version}").resolve()
     assert sorted(p.name for p in root.iterdir()) == ["current", "v1", "v2"]  # keep=2, no partial left
     assert len(list((root / "v2").glob("model-*.safetensors"))) > 1  # bucket by bucket

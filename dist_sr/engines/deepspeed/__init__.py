@@ -8,6 +8,18 @@ from .hook import DeepSpeedSR, attach, hooked_initialize, initialize
 from .source import ZeRO3Source
 from .version import TESTED, UnsupportedDeepSpeed, check_version
 
-__all__ = ["CONFIG_KEY", "TESTED", "DeepSpeedSR", "SRConfig", "UnsupportedDeepSpeed", "ZeRO3Source", "attach",
-           "check_version", "config_for_precision", "hooked_initialize", "initialize", "precision_of_config",
-           "split_config"]
+__all__ = [
+    "CONFIG_KEY",
+    "TESTED",
+    "DeepSpeedSR",
+    "SRConfig",
+    "UnsupportedDeepSpeed",
+    "ZeRO3Source",
+    "attach",
+    "check_version",
+    "config_for_precision",
+    "hooked_initialize",
+    "initialize",
+    "precision_of_config",
+    "split_config",
+]

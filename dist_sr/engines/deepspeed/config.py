@@ -52,8 +52,9 @@ def env_config(env=None) -> SRConfig | None:
     try:
         seed = int(raw)
     except ValueError:
-        raise ValueError(f"{SEED_ENV}={raw!r} is not an integer; set it to the rounding key's seed (e.g. 1234), or "
-                         "unset it") from None
+        raise ValueError(
+            f"{SEED_ENV}={raw!r} is not an integer; set it to the rounding key's seed (e.g. 1234), or unset it"
+        ) from None
     try:
         return SRConfig(seed=seed, mode=env.get(MODE_ENV, "stochastic") or "stochastic")
     except ValueError as exc:
@@ -71,8 +72,10 @@ def agree_with_env(sr: SRConfig | None, block_present: bool, env=None) -> SRConf
         return from_env
     if sr is None or (sr.seed, sr.mode) != (from_env.seed, from_env.mode):
         said = "disables SR" if sr is None else f"says seed {sr.seed}, mode {sr.mode}"
-        raise ValueError(f"the DeepSpeed config's \"{CONFIG_KEY}\" block {said}, but {SEED_ENV}={from_env.seed} "
-                         f"({MODE_ENV}={from_env.mode}) is set: make them agree, or drop one of the two")
+        raise ValueError(
+            f'the DeepSpeed config\'s "{CONFIG_KEY}" block {said}, but {SEED_ENV}={from_env.seed} '
+            f"({MODE_ENV}={from_env.mode}) is set: make them agree, or drop one of the two"
+        )
     return sr
 
 
@@ -88,7 +91,6 @@ def split_config(config: dict | str | Path) -> tuple[dict, SRConfig | None]:
     return config, (sr if sr.enabled else None)
 
 
-
 def precision_of_config(config: dict | str | Path) -> dict:
     """The precision switch a DeepSpeed config expresses: ``{"precision": ..., "seed": ...}``.
 
@@ -102,9 +104,11 @@ def precision_of_config(config: dict | str | Path) -> dict:
     if fp16 and bf16:
         raise ValueError("the DeepSpeed config enables both fp16 and bf16; enable one")
     if sr is not None and not bf16:
-        raise ValueError(f'the DeepSpeed config has an enabled "{CONFIG_KEY}" block but not "bf16": '
-                         '{"enabled": true}; SR rounds FP32 masters to BF16 working weights (FP16 SR is not '
-                         "supported), so enable bf16 or drop the block")
+        raise ValueError(
+            f'the DeepSpeed config has an enabled "{CONFIG_KEY}" block but not "bf16": '
+            '{"enabled": true}; SR rounds FP32 masters to BF16 working weights (FP16 SR is not '
+            "supported), so enable bf16 or drop the block"
+        )
     dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
     rounding = None if dtype is torch.float32 else sr.mode if sr is not None else "nearest"
     for p in PRECISION_REGISTRY.values():  # the precision with FP32 shadows this config describes
@@ -128,18 +132,25 @@ def config_for_precision(precision, base: dict | str | Path) -> dict:
     config.pop("fp16", None)
     spec = precision.spec
     if spec.pure:
-        raise PrecisionConfigError(f"precision {spec.name} keeps no FP32 master, but DeepSpeed ZeRO always does; "
-                                   "use bf16-sr with DeepSpeed (or the single-process AdamWSR)")
+        raise PrecisionConfigError(
+            f"precision {spec.name} keeps no FP32 master, but DeepSpeed ZeRO always does; "
+            "use bf16-sr with DeepSpeed (or the single-process AdamWSR)"
+        )
     if spec.loss_scaling:
         dynamic = precision.loss_scale == "dynamic"
         power = math.log2(precision.initial_loss_scale)
         if dynamic and power != int(power):
-            raise PrecisionConfigError(f"precision.initial_loss_scale={precision.initial_loss_scale}: DeepSpeed takes "
-                                       "the initial scale as a power of two (initial_scale_power); use one, e.g. "
-                                       f"{2.0 ** round(power):g}")
-        config["fp16"] = {"enabled": True, "loss_scale": 0 if dynamic else float(precision.loss_scale),
-                          "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
-                          "loss_scale_window": precision.loss_scale_window}
+            raise PrecisionConfigError(
+                f"precision.initial_loss_scale={precision.initial_loss_scale}: DeepSpeed takes "
+                "the initial scale as a power of two (initial_scale_power); use one, e.g. "
+                f"{2.0 ** round(power):g}"
+            )
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0 if dynamic else float(precision.loss_scale),
+            "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
+            "loss_scale_window": precision.loss_scale_window,
+        }
     elif spec.working_dtype is torch.bfloat16:
         config["bf16"] = {"enabled": True}
         if spec.keyed:
@@ -157,10 +168,13 @@ def load_ds_config(config) -> dict:
 
 
 # The trainer's hyperparameters that a DeepSpeed JSON may also state: field -> where in the JSON.
-SHARED_HYPERPARAMETERS = {"lr": ("optimizer", "params", "lr"), "betas": ("optimizer", "params", "betas"),
-                          "eps": ("optimizer", "params", "eps"),
-                          "weight_decay": ("optimizer", "params", "weight_decay"),
-                          "max_grad_norm": ("gradient_clipping",)}
+SHARED_HYPERPARAMETERS = {
+    "lr": ("optimizer", "params", "lr"),
+    "betas": ("optimizer", "params", "betas"),
+    "eps": ("optimizer", "params", "eps"),
+    "weight_decay": ("optimizer", "params", "weight_decay"),
+    "max_grad_norm": ("gradient_clipping",),
+}
 ADAMW_TYPES = ("adamw",)
 
 
@@ -173,9 +187,11 @@ def shared_hyperparameters(ds: dict, optimizer: str) -> dict:
     if opt is not None:
         kind = str(opt.get("type", "")).lower()
         if optimizer != "adamw" or kind not in ADAMW_TYPES:
-            raise ValueError(f"the DeepSpeed JSON configures optimizer {opt.get('type')!r} but the trainer's is "
-                             f"grpo.optimizer={optimizer!r}; remove the JSON's optimizer section (the trainer's is "
-                             "used) or make them the same (AdamW)")
+            raise ValueError(
+                f"the DeepSpeed JSON configures optimizer {opt.get('type')!r} but the trainer's is "
+                f"grpo.optimizer={optimizer!r}; remove the JSON's optimizer section (the trainer's is "
+                "used) or make them the same (AdamW)"
+            )
     out = {}
     for field, path in SHARED_HYPERPARAMETERS.items():
         node = ds
@@ -184,8 +200,10 @@ def shared_hyperparameters(ds: dict, optimizer: str) -> dict:
         if node is None or node == "auto":
             continue
         if field == "max_grad_norm" and float(node) <= 0:
-            raise ValueError(f"the DeepSpeed JSON's gradient_clipping={node} turns clipping off; dist-sr's trainer "
-                             "clips at grpo.max_grad_norm (> 0): set gradient_clipping to that value or remove it")
+            raise ValueError(
+                f"the DeepSpeed JSON's gradient_clipping={node} turns clipping off; dist-sr's trainer "
+                "clips at grpo.max_grad_norm (> 0): set gradient_clipping to that value or remove it"
+            )
         out[field] = tuple(float(b) for b in node) if field == "betas" else float(node)
     return out
 
@@ -197,6 +215,8 @@ def hyperparameter_conflicts(ds: dict, values: dict, optimizer: str) -> list[str
     for field, v in theirs.items():
         mine = tuple(float(b) for b in values[field]) if field == "betas" else float(values[field])
         if mine != v:
-            out.append(f"grpo.{field}={list(mine) if field == 'betas' else mine} vs the JSON's "
-                       f"{'.'.join(SHARED_HYPERPARAMETERS[field])}={list(v) if field == 'betas' else v}")
+            out.append(
+                f"grpo.{field}={list(mine) if field == 'betas' else mine} vs the JSON's "
+                f"{'.'.join(SHARED_HYPERPARAMETERS[field])}={list(v) if field == 'betas' else v}"
+            )
     return out

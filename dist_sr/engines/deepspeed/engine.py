@@ -28,34 +28,57 @@ class DeepSpeedEngine:
     def __init__(self, settings: TrainSettings, model):
         d = settings.distributed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        base = json.loads(Path(d.deepspeed_config).read_text()) if d.deepspeed_config else {
-            "zero_optimization": {"stage": d.zero_stage}, "steps_per_print": 10**9}
+        base = (
+            json.loads(Path(d.deepspeed_config).read_text())
+            if d.deepspeed_config
+            else {"zero_optimization": {"stage": d.zero_stage}, "steps_per_print": 10**9}
+        )
         try:  # the launcher adopts the JSON's values; a caller that bypassed it must not disagree
-            conflicts = hyperparameter_conflicts(base, {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps,
-                                                        "weight_decay": settings.weight_decay,
-                                                        "max_grad_norm": settings.max_grad_norm}, settings.optimizer)
+            conflicts = hyperparameter_conflicts(
+                base,
+                {
+                    "lr": settings.lr,
+                    "betas": settings.betas,
+                    "eps": settings.eps,
+                    "weight_decay": settings.weight_decay,
+                    "max_grad_norm": settings.max_grad_norm,
+                },
+                settings.optimizer,
+            )
         except ValueError as exc:
             raise ConfigError(f"{d.deepspeed_config}: {exc}") from None
         if conflicts:
-            raise ConfigError(f"the trainer's settings and {d.deepspeed_config} disagree: {'; '.join(conflicts)}; "
-                              "make them equal (dist-sr's launcher adopts the JSON's where the experiment is silent)")
-        base.update({
-            "train_micro_batch_size_per_gpu": settings.batch_per_rank,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": settings.max_grad_norm,
-        })
+            raise ConfigError(
+                f"the trainer's settings and {d.deepspeed_config} disagree: {'; '.join(conflicts)}; "
+                "make them equal (dist-sr's launcher adopts the JSON's where the experiment is silent)"
+            )
+        base.update(
+            {
+                "train_micro_batch_size_per_gpu": settings.batch_per_rank,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": settings.max_grad_norm,
+            }
+        )
         base.pop("train_batch_size", None)
         client_optimizer = None
         if settings.optimizer == "adamw":  # DeepSpeed's own AdamW on its FP32 partitions
-            base["optimizer"] = {"type": "AdamW", "params": {"lr": settings.lr, "betas": list(settings.betas),
-                                                             "eps": settings.eps, "weight_decay": settings.weight_decay,
-                                                             "torch_adam": True}}
+            base["optimizer"] = {
+                "type": "AdamW",
+                "params": {
+                    "lr": settings.lr,
+                    "betas": list(settings.betas),
+                    "eps": settings.eps,
+                    "weight_decay": settings.weight_decay,
+                    "torch_adam": True,
+                },
+            }
         else:  # any other registered torch optimizer, which ZeRO wraps
             base.pop("optimizer", None)
             client_optimizer = optimizer_class(settings.optimizer)(model.parameters(), **settings.hyper)
         config = config_for_precision(settings.precision, base)
-        self.engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config,
-                                     optimizer=client_optimizer)
+        self.engine, *_ = initialize(
+            model=model, model_parameters=model.parameters(), config=config, optimizer=client_optimizer
+        )
         self.module = self.engine.module
         self.zero3 = self.engine.zero_optimization_stage() == 3
         self.meter = None if self.zero3 else StickingMeter([(n, p) for n, p in self.module.named_parameters()])
@@ -95,16 +118,21 @@ class DeepSpeedEngine:
         finds) when the BF16 working weights are not the keyed rounding of the FP32 masters."""
         digest, expected = self.digest(), self.expected_digest()  # collective
         if digest != expected:
-            raise RuntimeError(f"not saving step {step}: the BF16 working weights (digest {digest}) are not the keyed "
-                               f"rounding of the FP32 masters ({expected}); the previous checkpoint is kept")
+            raise RuntimeError(
+                f"not saving step {step}: the BF16 working weights (digest {digest}) are not the keyed "
+                f"rounding of the FP32 masters ({expected}); the previous checkpoint is kept"
+            )
         bad = torch.tensor([float(not self._finite())])
         dist.all_reduce(bad)
         if bad.item():
-            raise RuntimeError(f"not saving step {step}: the weights or FP32 masters hold NaN or Inf on "
-                               f"{int(bad.item())} rank(s); the previous checkpoint is kept")
+            raise RuntimeError(
+                f"not saving step {step}: the weights or FP32 masters hold NaN or Inf on "
+                f"{int(bad.item())} rank(s); the previous checkpoint is kept"
+            )
         root = path / "deepspeed"
-        self.engine.save_checkpoint(str(root), tag=f"step{step}",
-                                    client_state={"dist_sr_step": step, "dist_sr_digest": digest})
+        self.engine.save_checkpoint(
+            str(root), tag=f"step{step}", client_state={"dist_sr_step": step, "dist_sr_digest": digest}
+        )
         dist.barrier()
         if self.rank == 0:
             write_manifest(root / f"step{step}")  # SHA-256 of every file, checked before loading
@@ -129,15 +157,21 @@ class DeepSpeedEngine:
         chosen = choose_verified(root, named, self.rank).name
         tag, client = self.engine.load_checkpoint(str(root), tag=chosen)
         if tag is None:
-            raise RuntimeError(f"{path / 'deepspeed'}: DeepSpeed found no loadable checkpoint at the tag 'latest' names")
+            raise RuntimeError(
+                f"{path / 'deepspeed'}: DeepSpeed found no loadable checkpoint at the tag 'latest' names"
+            )
         if self.meter is not None:
             self.meter.sync_previous()
         if "dist_sr_digest" not in client:
-            raise RuntimeError(f"{tag}: the checkpoint records no dist_sr_digest; it was not written by dist-sr's "
-                               "DeepSpeed engine, so its weights cannot be verified")
+            raise RuntimeError(
+                f"{tag}: the checkpoint records no dist_sr_digest; it was not written by dist-sr's "
+                "DeepSpeed engine, so its weights cannot be verified"
+            )
         digest, expected = self.digest(), self.expected_digest()
         if digest != client["dist_sr_digest"] or expected != client["dist_sr_digest"]:
-            raise RuntimeError(f"{tag}: after loading, the working weights have digest {digest} and the rounding of the "
-                               f"FP32 masters {expected}; the checkpoint recorded {client['dist_sr_digest']} "
-                               "(a corrupted or foreign checkpoint)")
+            raise RuntimeError(
+                f"{tag}: after loading, the working weights have digest {digest} and the rounding of the "
+                f"FP32 masters {expected}; the checkpoint recorded {client['dist_sr_digest']} "
+                "(a corrupted or foreign checkpoint)"
+            )
         return int(client["dist_sr_step"])

@@ -29,7 +29,6 @@ with ``dist_sr.engines.deepspeed.initialize`` as a drop-in for ``deepspeed.initi
 (or, for unmodified scripts, the start-up hook ``dist-sr deepspeed-hook install``).
 """
 
-
 from __future__ import annotations
 
 import copy
@@ -63,6 +62,7 @@ def hooked_initialize(original):
     ``original`` unchanged; otherwise the block is removed, the rest is passed as ``config`` (and
     ``args.deepspeed_config`` cleared on a copy of ``args``), and SR is attached to the engine.
     Installed for unmodified scripts by ``dist-sr deepspeed-hook install``."""
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any):
         sr, args, kwargs = take_sr_block(args, kwargs)
@@ -76,8 +76,13 @@ def hooked_initialize(original):
             log.warning("dist-sr: no SR for DeepSpeed engine of %s: %s", type(engine.module).__name__, reason)
             return result
         attach(engine, seed=sr.seed, mode=sr.mode)
-        log.warning("dist-sr: keyed SR attached to DeepSpeed engine of %s (ZeRO stage %d, seed %d, mode %s)",
-                    type(engine.module).__name__, engine.zero_optimization_stage(), sr.seed, sr.mode)
+        log.warning(
+            "dist-sr: keyed SR attached to DeepSpeed engine of %s (ZeRO stage %d, seed %d, mode %s)",
+            type(engine.module).__name__,
+            engine.zero_optimization_stage(),
+            sr.seed,
+            sr.mode,
+        )
         return result
 
     wrapper.__dist_sr_hook__ = True
@@ -95,8 +100,11 @@ def untrained(engine) -> str | None:
     from deepspeed.runtime.utils import DummyOptim
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-    if opt is None or isinstance(opt, (DummyOptim, DeepSpeedZeRoOffload)) or isinstance(
-            getattr(opt, "optimizer", None), DummyOptim):
+    if (
+        opt is None
+        or isinstance(opt, (DummyOptim, DeepSpeedZeRoOffload))
+        or isinstance(getattr(opt, "optimizer", None), DummyOptim)
+    ):
         return "it has no optimizer (a reference or eval model)"
     return None
 
@@ -142,8 +150,10 @@ def attach(engine, *, seed: int, mode: str = "stochastic") -> "DeepSpeedSR":
     check_version()
     check_mode(mode)
     if not engine.bfloat16_enabled():
-        raise ValueError("stochastic rounding needs BF16 working weights: enable \"bf16\" in the DeepSpeed config "
-                         "(FP16 weights keep round-to-nearest; SR into FP16 is not supported)")
+        raise ValueError(
+            'stochastic rounding needs BF16 working weights: enable "bf16" in the DeepSpeed config '
+            "(FP16 weights keep round-to-nearest; SR into FP16 is not supported)"
+        )
     sr = DeepSpeedSR(engine, seed, mode)
     sr.install()
     engine.dist_sr = sr  # the handle: engine.dist_sr.resync(), .step, .seed, .mode
@@ -160,9 +170,11 @@ class DeepSpeedSR:
         self.optimizer = engine.optimizer
         self.names = {id(p): normalize_param_name(n) for n, p in engine.module.named_parameters()}
         self.trained = {self.names[id(p)] for p in engine.module.parameters() if p.requires_grad}
-        self.aliases = {normalize_param_name(n): self.names[id(p)]  # a tied weight's other names
-                        for n, p in engine.module.named_parameters(remove_duplicate=False)
-                        if normalize_param_name(n) != self.names[id(p)]}
+        self.aliases = {
+            normalize_param_name(n): self.names[id(p)]  # a tied weight's other names
+            for n, p in engine.module.named_parameters(remove_duplicate=False)
+            if normalize_param_name(n) != self.names[id(p)]
+        }
         self._in_step = False
         self._batches: dict = {}
         self.layout = layout_for(self)
@@ -233,8 +245,9 @@ class DeepSpeedSR:
         FP32 masters with the key (the ranks' shares are disjoint): what the BF16 copies must be."""
         sums: dict[str, int] = {}
         for name, hp, offset in self.layout.master_pieces():
-            bits = stochastic_round(hp.detach().reshape(-1), seed=self.seed, step=self.step, param=name,
-                                    offset=offset, mode=self.mode)
+            bits = stochastic_round(
+                hp.detach().reshape(-1), seed=self.seed, step=self.step, param=name, offset=offset, mode=self.mode
+            )
             sums[name] = (sums.get(name, 0) + piece_sum(bits, offset)) & ((1 << 64) - 1)
         return sums
 
@@ -275,9 +288,11 @@ class PairsLayout(Layout):
             yield name, hp, offset
 
     def round_local(self) -> None:
-        self.sr.run("local", lambda: tuple((hp.data_ptr(), lp.data_ptr(), hp.numel(), offset)
-                                          for _, hp, lp, offset in self.pairs()),
-                    lambda: [RoundingJob(name, hp.data, lp.data, offset) for name, hp, lp, offset in self.pairs()])
+        self.sr.run(
+            "local",
+            lambda: tuple((hp.data_ptr(), lp.data_ptr(), hp.numel(), offset) for _, hp, lp, offset in self.pairs()),
+            lambda: [RoundingJob(name, hp.data, lp.data, offset) for name, hp, lp, offset in self.pairs()],
+        )
 
 
 class Stage0Layout(PairsLayout):
@@ -319,8 +334,12 @@ class FragmentLayout(PairsLayout):
             for p in group:
                 mapping = getattr(p, "_hp_mapping", None)
                 if mapping is not None:
-                    yield (self.sr.names[id(p)], mapping.hp_fragment, mapping.lp_fragment,
-                           mapping.lp_fragment_address.start)
+                    yield (
+                        self.sr.names[id(p)],
+                        mapping.hp_fragment,
+                        mapping.lp_fragment,
+                        mapping.lp_fragment_address.start,
+                    )
 
     def install(self) -> None:
         _install_all_gather_hook(self)
@@ -328,10 +347,13 @@ class FragmentLayout(PairsLayout):
     def resync(self) -> None:
         opt = self.opt
         self.round_local()
-        _ORIGINAL_ALL_GATHER["fn"](groups_flat=self.groups_flat, partitioned_param_groups=getattr(opt, self.partitions),
-                                   dp_process_group=opt.real_dp_process_group,
-                                   start_alignment_factor=opt.nccl_start_alignment_factor,
-                                   allgather_bucket_size=opt.allgather_bucket_size)
+        _ORIGINAL_ALL_GATHER["fn"](
+            groups_flat=self.groups_flat,
+            partitioned_param_groups=getattr(opt, self.partitions),
+            dp_process_group=opt.real_dp_process_group,
+            start_alignment_factor=opt.nccl_start_alignment_factor,
+            allgather_bucket_size=opt.allgather_bucket_size,
+        )
         if self.refresh_model:
             for i in range(len(getattr(opt, self.lp_groups))):
                 opt._update_model_bit16_weights(i)
@@ -353,10 +375,11 @@ class Zero3Layout(Layout):
     def round_sub_group(self, sub_group_id: int) -> None:
         opt = self.opt
         fp32_flat = opt.fp32_partitioned_groups_flat[sub_group_id]
-        self.sr.run(("zero3", sub_group_id),
-                    lambda: (fp32_flat.data_ptr(),
-                             *(part.data_ptr() for part in opt.fp16_partitioned_groups[sub_group_id])),
-                    lambda: self.jobs(sub_group_id))
+        self.sr.run(
+            ("zero3", sub_group_id),
+            lambda: (fp32_flat.data_ptr(), *(part.data_ptr() for part in opt.fp16_partitioned_groups[sub_group_id])),
+            lambda: self.jobs(sub_group_id),
+        )
 
     def jobs(self, sub_group_id: int) -> list[RoundingJob]:
         import deepspeed.comm as ds_dist
@@ -407,17 +430,27 @@ def layout_for(sr: DeepSpeedSR) -> Layout:
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         return Zero3Layout(sr)
     if isinstance(opt, BF16_Optimizer):
-        return FragmentLayout(sr, lp_groups="bf16_groups", groups_flat="bf16_groups_flat",
-                              partitions="bf16_partitioned_groups", refresh_model=False)
+        return FragmentLayout(
+            sr,
+            lp_groups="bf16_groups",
+            groups_flat="bf16_groups_flat",
+            partitions="bf16_partitioned_groups",
+            refresh_model=False,
+        )
     if isinstance(opt, DeepSpeedZeroOptimizer):
-        return FragmentLayout(sr, lp_groups="bit16_groups", groups_flat="bit16_groups_flat",
-                              partitions="parallel_partitioned_bit16_groups", refresh_model=True)
+        return FragmentLayout(
+            sr,
+            lp_groups="bit16_groups",
+            groups_flat="bit16_groups_flat",
+            partitions="parallel_partitioned_bit16_groups",
+            refresh_model=True,
+        )
     if isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
         return Stage0Layout(sr)
     raise NotImplementedError(
         f"dist_sr supports ZeRO stages 0-3 (stage 0 through FP16_UnfusedOptimizer); this engine's optimizer "
         f"is {type(opt).__name__} (ZeRO stage {sr.engine.zero_optimization_stage()}). Use "
-        "\"zero_optimization\": {\"stage\": 1} or higher"
+        '"zero_optimization": {"stage": 1} or higher'
     )
 
 

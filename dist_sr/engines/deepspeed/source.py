@@ -27,7 +27,7 @@ class ZeRO3Source:
             p = self.params[n]
             pn = p.ds_tensor.numel()
             start, end = min(self.rank * pn, p.ds_numel), min((self.rank + 1) * pn, p.ds_numel)
-            out.append(LocalPiece(n, start, end, p.ds_tensor.detach().reshape(-1)[:end - start]))
+            out.append(LocalPiece(n, start, end, p.ds_tensor.detach().reshape(-1)[: end - start]))
         return out
 
     def gather(self, names):

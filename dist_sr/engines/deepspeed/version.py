@@ -36,7 +36,8 @@ def check_universal_reload() -> None:
         raise UnsupportedDeepSpeed(
             f"DeepSpeed {deepspeed.__version__} reloads universal checkpoints of unevenly sharded parameters "
             f"with other FP32 masters than were saved (tested); load the normal checkpoint at the same world size, "
-            f"or convert and load with DeepSpeed >={'.'.join(map(str, UNIVERSAL_RELOAD))}")
+            f"or convert and load with DeepSpeed >={'.'.join(map(str, UNIVERSAL_RELOAD))}"
+        )
 
 
 def check_version(version: str | None = None) -> None:

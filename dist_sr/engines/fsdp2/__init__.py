@@ -7,5 +7,16 @@ from .config import FSDP2Config
 from .hook import MIXED_PRECISION, SRContext, SRShadowParam, full_master, plain, prepare, sharded_state_dict
 from .source import FSDP2Source
 
-__all__ = ["MIXED_PRECISION", "FSDP2Config", "FSDP2Source", "SRContext", "SRShadowParam", "apply_fsdp2", "full_master",
-           "plain", "prepare", "pure_bf16_optimizer", "sharded_state_dict"]
+__all__ = [
+    "MIXED_PRECISION",
+    "FSDP2Config",
+    "FSDP2Source",
+    "SRContext",
+    "SRShadowParam",
+    "apply_fsdp2",
+    "full_master",
+    "plain",
+    "prepare",
+    "pure_bf16_optimizer",
+    "sharded_state_dict",
+]

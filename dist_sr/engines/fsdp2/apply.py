@@ -20,8 +20,9 @@ def pure_bf16_optimizer(model: nn.Module, precision, **adamw_kwargs):
     if not isinstance(precision, PrecisionConfig):
         precision = PrecisionConfig.from_dict(precision)
     named = [(normalize_param_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    return AdamWSR(named, seed=precision.seed, moment_dtype=precision.moment_dtype, backend=precision.backend,
-                   **adamw_kwargs)
+    return AdamWSR(
+        named, seed=precision.seed, moment_dtype=precision.moment_dtype, backend=precision.backend, **adamw_kwargs
+    )
 
 
 def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None = None) -> SRContext | None:
@@ -58,8 +59,10 @@ def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None =
         policy = MIXED_PRECISION
     blocks = [m for m in model.modules() if type(m).__name__ in config.shard_modules]
     if not blocks:
-        raise ValueError(f"fsdp2.shard_modules {config.shard_modules} match no module of {type(model).__name__}; "
-                         "name its transformer block class")
+        raise ValueError(
+            f"fsdp2.shard_modules {config.shard_modules} match no module of {type(model).__name__}; "
+            "name its transformer block class"
+        )
     mesh = config.mesh()
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)

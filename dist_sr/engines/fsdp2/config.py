@@ -31,8 +31,10 @@ class FSDP2Config:
     def check_world(self, world: int) -> None:
         """HSDP needs world = replicate x shard-group size."""
         if world % self.replicate:
-            raise ValueError(f"fsdp2.replicate={self.replicate} does not divide the world size {world}: HSDP "
-                             "needs world = replicate x shard-group size")
+            raise ValueError(
+                f"fsdp2.replicate={self.replicate} does not divide the world size {world}: HSDP "
+                "needs world = replicate x shard-group size"
+            )
 
     def mesh(self):
         """The device mesh: None (FSDP2's default, shard over the world) or, with ``replicate`` > 1,
@@ -42,5 +44,6 @@ class FSDP2Config:
         world = dist.get_world_size()
         self.check_world(world)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        return init_device_mesh(device, (self.replicate, world // self.replicate),
-                                mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            device, (self.replicate, world // self.replicate), mesh_dim_names=("replicate", "shard")
+        )

@@ -74,8 +74,10 @@ class FSDP2Engine:
         return FSDP2Source(self.module, self.ctx, self.rank, self.world)
 
     def _state(self) -> dict:
-        return {"model": sharded_state_dict(self.module),
-                "optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+        return {
+            "model": sharded_state_dict(self.module),
+            "optimizer": get_optimizer_state_dict(self.module, self.optimizer),
+        }
 
     def save(self, path: Path, step: int) -> None:
         """Sharded checkpoint of the FP32 masters, the optimizer state and the rounding key's step
@@ -89,13 +91,17 @@ class FSDP2Engine:
         root = path / "fsdp2"
         final, tmp = root / f"step{step}", root / f"step{step}.tmp"
         if (root / "latest").exists() and (root / "latest").read_text().strip() == final.name:
-            raise RuntimeError(f"{final} is the latest checkpoint; saving step {step} again would replace it in "
-                               "place (no step has run since it was written)")
+            raise RuntimeError(
+                f"{final} is the latest checkpoint; saving step {step} again would replace it in "
+                "place (no step has run since it was written)"
+            )
         bad = torch.tensor([float(not _all_finite(self._state()))])
         dist.all_reduce(bad)
         if bad.item():
-            raise RuntimeError(f"not saving step {step}: the masters or the optimizer state hold NaN or Inf on "
-                               f"{int(bad.item())} rank(s); the previous checkpoint is kept")
+            raise RuntimeError(
+                f"not saving step {step}: the masters or the optimizer state hold NaN or Inf on "
+                f"{int(bad.item())} rank(s); the previous checkpoint is kept"
+            )
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
@@ -103,8 +109,13 @@ class FSDP2Engine:
         digest = self.expected_digest()  # collective: every rank takes part
         dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:
-            meta = {"step": step, "world": self.world, "digest": digest, "sr": self.ctx.state_dict() if self.ctx else None,
-                    "optimizer": getattr(self.optimizer, "dist_sr_meta", lambda: None)()}
+            meta = {
+                "step": step,
+                "world": self.world,
+                "digest": digest,
+                "sr": self.ctx.state_dict() if self.ctx else None,
+                "optimizer": getattr(self.optimizer, "dist_sr_meta", lambda: None)(),
+            }
             write_atomic(tmp / "dist_sr.json", json.dumps(meta, indent=1))
             write_manifest(tmp)  # SHA-256 of every shard file, checked before loading
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after its rename
@@ -126,8 +137,10 @@ class FSDP2Engine:
         ckpt = choose_verified(root, named, self.rank)
         meta = json.loads((ckpt / "dist_sr.json").read_text())
         if (meta["sr"] is None) != (self.ctx is None):
-            raise ConfigError(f"{ckpt} was saved {'without' if meta['sr'] is None else 'with'} SR; resume it with "
-                              "the precision it was trained with")
+            raise ConfigError(
+                f"{ckpt} was saved {'without' if meta['sr'] is None else 'with'} SR; resume it with "
+                "the precision it was trained with"
+            )
         state = self._state()
         dcp.load(state, checkpoint_id=str(ckpt))  # in place into the masters, resharded if the world changed
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
@@ -135,8 +148,10 @@ class FSDP2Engine:
             self.ctx.load_state_dict(meta["sr"])  # the key's step; invalidates cached rounded shards
         digest = self.expected_digest()
         if digest != meta["digest"]:
-            raise RuntimeError(f"{ckpt}: working weights re-derived from the loaded masters have digest {digest}, "
-                               f"the checkpoint recorded {meta['digest']} (saved by {meta['world']} ranks)")
+            raise RuntimeError(
+                f"{ckpt}: working weights re-derived from the loaded masters have digest {digest}, "
+                f"the checkpoint recorded {meta['digest']} (saved by {meta['world']} ranks)"
+            )
         return int(meta["step"])
 
 

@@ -17,7 +17,6 @@ optimizer is any stock torch optimizer.
     ctx.track(opt)                                             # the key's step follows the optimizer
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -81,6 +80,7 @@ class SRContext:
 
     def track(self, optimizer: torch.optim.Optimizer):
         """Advance the key's step after every ``optimizer.step()``; returns the hook handle."""
+
         def advance(*_: Any) -> None:
             self.step += 1
             self.version += 1
@@ -106,10 +106,21 @@ class SRContext:
 # these the wrapper would be lost and the all-gather would cast round-to-nearest). Everything
 # else (optimizer states from zeros_like, clones, math, casts to BF16) comes out plain.
 _KEEP = {
-    aten.view.default, aten._unsafe_view.default, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.chunk.default, aten.slice.Tensor, aten.narrow.default, aten.as_strided.default,
-    aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
-    aten.detach.default, aten.alias.default, aten._to_copy.default, aten.empty_like.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.as_strided.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.empty_like.default,
 }
 
 
@@ -127,8 +138,15 @@ class SRShadowParam(torch.Tensor):
     @staticmethod
     def __new__(cls, data: torch.Tensor, ctx: SRContext, name: str):
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
-            layout=data.layout, device=data.device, requires_grad=data.requires_grad)
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
 
     def __init__(self, data: torch.Tensor, ctx: SRContext, name: str):
         self._data, self._ctx, self._name = data, ctx, name
@@ -157,8 +175,12 @@ class SRShadowParam(torch.Tensor):
         if func not in _KEEP:
             return out
         src = found[0]
-        return tree_map(lambda t: SRShadowParam(t, src._ctx, src._name)
-                        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
+        return tree_map(
+            lambda t: (
+                SRShadowParam(t, src._ctx, src._name) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+            ),
+            out,
+        )
 
     # -- FSDP2 all-gather extension ------------------------------------------------------------
 
@@ -178,8 +200,16 @@ class SRShadowParam(torch.Tensor):
             full = local.new_zeros(padded)
             full[tuple(slice(0, n) for n in local.shape)] = local
             local = full
-        bf16 = stochastic_round(local, seed=ctx.seed, step=ctx.step, param=self._name, offset=offset,
-                                mode=ctx.mode, row_stride=row_stride, backend=ctx.backend)
+        bf16 = stochastic_round(
+            local,
+            seed=ctx.seed,
+            step=ctx.step,
+            param=self._name,
+            offset=offset,
+            mode=ctx.mode,
+            row_stride=row_stride,
+            backend=ctx.backend,
+        )
         if ctx.cache_rounded:
             ctx.rounded[self._name] = ((ctx.step, ctx.version), bf16, offset)
         if ctx.record_gathers:
@@ -214,8 +244,10 @@ def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: s
             ctx.frozen.add(name)
             continue
         if param.dtype != torch.float32:
-            raise TypeError(f"{full_name!r} is {param.dtype}: FSDP2 SR keeps the FP32 master as the sharded "
-                            "parameter; build the model in FP32 and let the all-gather cast to BF16")
+            raise TypeError(
+                f"{full_name!r} is {param.dtype}: FSDP2 SR keeps the FP32 master as the sharded "
+                "parameter; build the model in FP32 and let the all-gather cast to BF16"
+            )
         if isinstance(param, SRShadowParam) or hasattr(param, "_local_tensor"):
             raise ValueError(f"{full_name!r} is already wrapped or sharded: call prepare() before fully_shard()")
         wrapped = nn.Parameter(SRShadowParam(param.detach(), ctx, name), requires_grad=True)
@@ -235,8 +267,9 @@ def sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.state_dict().items():
         if isinstance(p, DTensor) and isinstance(p._local_tensor, SRShadowParam):
-            p = DTensor.from_local(p._local_tensor._data, p.device_mesh, p.placements, shape=p.shape,
-                                   stride=p.stride(), run_check=False)
+            p = DTensor.from_local(
+                p._local_tensor._data, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+            )
         out[name] = p
     return out
 

@@ -34,8 +34,9 @@ def sent_sums(module: torch.nn.Module, ctx) -> dict[str, int]:
         else:  # a column shard: each row of the local block is a contiguous span of the parameter
             row_len, row_stride = rows
             flat = bits.reshape(n // row_len, -1)[:, :row_len].reshape(-1)
-            sums[normalize_param_name(name)] = sum(piece_sum(flat[r * row_len:(r + 1) * row_len], offset + r * row_stride)
-                                                   for r in range(n // row_len)) & ((1 << 64) - 1)
+            sums[normalize_param_name(name)] = sum(
+                piece_sum(flat[r * row_len : (r + 1) * row_len], offset + r * row_stride) for r in range(n // row_len)
+            ) & ((1 << 64) - 1)
     return sums
 
 
@@ -75,8 +76,10 @@ class FSDP2Source:
         p = params[name]
         local, offset, rows = local_shard(p)
         if rows is not None:
-            raise NotImplementedError(f"{name}: FSDP2 shards on a non-leading dim are not contiguous in the full "
-                                      "tensor; shard-direct needs dim-0 shards (FSDP2's default)")
+            raise NotImplementedError(
+                f"{name}: FSDP2 shards on a non-leading dim are not contiguous in the full "
+                "tensor; shard-direct needs dim-0 shards (FSDP2's default)"
+            )
         local = plain(local).detach().contiguous()
         if part != (0, 1):
             lo, hi = split_range(local.numel(), part[1], part[0])
@@ -85,8 +88,9 @@ class FSDP2Source:
             return offset, local.to(torch.bfloat16) if self.as_bf16 else local
         if self.ctx.rounds(name) is not True:  # frozen: FSDP2's all-gather casts it round-to-nearest
             return offset, local.to(torch.bfloat16)
-        return offset, stochastic_round(local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset,
-                                        mode=self.ctx.mode)
+        return offset, stochastic_round(
+            local, seed=self.ctx.seed, step=self.ctx.step, param=name, offset=offset, mode=self.ctx.mode
+        )
 
     def local_pieces(self, names):
         """This rank's shard of each tensor, rounded one at a time as the caller iterates (a
@@ -106,8 +110,9 @@ class FSDP2Source:
         _, bits = self._rounded_local(name, params)
         if not isinstance(p, DTensor):
             return bits.view(p.shape)
-        return DTensor.from_local(bits.view(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape,
-                                  stride=p.stride())
+        return DTensor.from_local(
+            bits.view(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
 
     def full(self, name: str, params: dict | None = None) -> torch.Tensor:
         """The full working weight ``name`` on every rank (collective: every rank calls it)."""

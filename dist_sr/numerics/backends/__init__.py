@@ -75,9 +75,12 @@ def _choose(name: str, param: str, device: torch.device) -> Backend:
             reasons.append(f"{backend.name}: {why}")
     if reasons and device.type not in _warned:
         _warned.add(device.type)
-        warnings.warn(f"dist_sr: fast {device.type.upper()} rounding kernel unavailable ({'; '.join(reasons)}); using "
-                      "the pure-torch reference, which gives the same bits but is ~100x slower", RuntimeWarning,
-                      stacklevel=5)
+        warnings.warn(
+            f"dist_sr: fast {device.type.upper()} rounding kernel unavailable ({'; '.join(reasons)}); using "
+            "the pure-torch reference, which gives the same bits but is ~100x slower",
+            RuntimeWarning,
+            stacklevel=5,
+        )
     return _REGISTRY["reference"]
 
 

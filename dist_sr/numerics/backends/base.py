@@ -52,8 +52,8 @@ class Backend(Protocol):
 
     name: str
     auto_devices: tuple[str, ...]  # device types "auto" may pick this backend for
-    device_keys: bool              # can derive keys from a ``DeviceStep`` (steps captured in CUDA graphs)
-    shaped: bool                   # round_one takes contiguous tensors of any shape (else flat views)
+    device_keys: bool  # can derive keys from a ``DeviceStep`` (steps captured in CUDA graphs)
+    shaped: bool  # round_one takes contiguous tensors of any shape (else flat views)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run in this process, or None."""
@@ -61,22 +61,32 @@ class Backend(Protocol):
     def refuses(self, device: torch.device) -> str | None:
         """Why this backend cannot round tensors on ``device``, or None."""
 
-    def round_one(self, x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
-                  rows: tuple[int, int] | None) -> None:
+    def round_one(
+        self, x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int, rows: tuple[int, int] | None
+    ) -> None:
         """Flat FP32 ``x`` into flat BF16 ``out`` (element ``j`` at global index ``offset + j``, or
         a strided shard with ``rows = (row_len, row_stride)``); contiguous ones of any shape if
         ``shaped``."""
 
-    def round_batch(self, batch: Any, idx: Sequence[int], keys: np.ndarray | None,
-                    device_step: DeviceStep | None = None) -> None:
+    def round_batch(
+        self, batch: Any, idx: Sequence[int], keys: np.ndarray | None, device_step: DeviceStep | None = None
+    ) -> None:
         """Pieces ``idx`` of a ``rounding.RoundingBatch`` (its ``xs``, ``outs``, ``offsets``,
         ``rows``, ``names``; ``launches`` is the backend's cache on the batch). ``keys``: one per
         piece of the batch, None for nearest, or (only to a backend with ``device_keys``) a
         ``KeyStep`` to derive them from."""
 
-    def adamw_step(self, plan: Any, idx: Sequence[int], grads: Sequence[torch.Tensor], hypers: Sequence[Any],
-                   slots: Sequence[int], keys: np.ndarray | None, grad_scale: torch.Tensor | None,
-                   device_step: DeviceStep | None = None) -> None:
+    def adamw_step(
+        self,
+        plan: Any,
+        idx: Sequence[int],
+        grads: Sequence[torch.Tensor],
+        hypers: Sequence[Any],
+        slots: Sequence[int],
+        keys: np.ndarray | None,
+        grad_scale: torch.Tensor | None,
+        device_step: DeviceStep | None = None,
+    ) -> None:
         """One fused AdamW step on pieces ``idx`` of a ``fused.AdamWPlan``. ``keys``: int64
         ``[3, T]`` (each piece's key, then its moments'), None for nearest, or (only to a backend
         with ``device_keys``) a ``KeyStep`` to derive them from."""

@@ -115,7 +115,9 @@ def _build(stem: str, source: Path) -> ModuleType:
                 verbose=False,
             )
     except Exception as exc:  # compiler missing, headers missing, build error
-        raise KernelUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}") from exc
+        raise KernelUnavailable(
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        ) from exc
 
 
 def warm_up_in_background() -> None:
@@ -189,8 +191,13 @@ class CPUBackend:
             else:
                 flat.append(i)
         if flat:
-            kernel.round_tensors([batch.xs[i] for i in flat], [batch.outs[i] for i in flat], keys is not None,
-                                 [] if keys is None else keys[flat].tolist(), [batch.offsets[i] for i in flat])
+            kernel.round_tensors(
+                [batch.xs[i] for i in flat],
+                [batch.outs[i] for i in flat],
+                keys is not None,
+                [] if keys is None else keys[flat].tolist(),
+                [batch.offsets[i] for i in flat],
+            )
 
     def adamw_step(self, plan, idx, grads, hypers, slots, keys, grad_scale, device_step=None) -> None:
         if device_step is not None:
@@ -200,10 +207,18 @@ class CPUBackend:
             flat = [plan.flat[i] for i in sel]
             consts = [v for i in sel for v in constants(hypers[slots[i]])]
             k = np.zeros(3 * len(sel), dtype=np.int64) if keys is None else keys[:, sel].T.reshape(-1)
-            kernel.adamw_many([f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat],
-                              [grads[i].reshape(-1) for i in sel], [] if pure else [f[3] for f in flat],
-                              keys is not None, k.tolist(), [plan.pieces[i].offset for i in sel], consts,
-                              float(grad_scale) if scale is None else scale)
+            kernel.adamw_many(
+                [f[0] for f in flat],
+                [f[1] for f in flat],
+                [f[2] for f in flat],
+                [grads[i].reshape(-1) for i in sel],
+                [] if pure else [f[3] for f in flat],
+                keys is not None,
+                k.tolist(),
+                [plan.pieces[i].offset for i in sel],
+                consts,
+                float(grad_scale) if scale is None else scale,
+            )
 
 
 BACKEND = CPUBackend()

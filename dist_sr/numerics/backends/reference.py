@@ -25,8 +25,9 @@ class ReferenceBackend:
         if device_step is not None:
             raise ValueError("keys derived on the device need the Triton backend")
         for i in idx:
-            self.round_one(batch.xs[i], batch.outs[i], None if keys is None else int(keys[i]), batch.offsets[i],
-                           batch.rows[i])
+            self.round_one(
+                batch.xs[i], batch.outs[i], None if keys is None else int(keys[i]), batch.offsets[i], batch.rows[i]
+            )
 
     def adamw_step(self, plan, idx, grads, hypers, slots, keys, grad_scale, device_step=None) -> None:
         if device_step is not None:
@@ -34,8 +35,19 @@ class ReferenceBackend:
         for i in idx:
             pc = plan.pieces[i]
             k = None if keys is None else [int(x) % (1 << 64) for x in keys[:, i]]
-            reference.adamw_step(pc.p, pc.exp_avg, pc.exp_avg_sq, grads[i], pc.out, None if k is None else k[0],
-                                 pc.offset, hypers[slots[i]], None if k is None else (k[1], k[2]), pc.rows, grad_scale)
+            reference.adamw_step(
+                pc.p,
+                pc.exp_avg,
+                pc.exp_avg_sq,
+                grads[i],
+                pc.out,
+                None if k is None else k[0],
+                pc.offset,
+                hypers[slots[i]],
+                None if k is None else (k[1], k[2]),
+                pc.rows,
+                grad_scale,
+            )
 
 
 BACKEND = ReferenceBackend()

@@ -17,8 +17,21 @@ import json
 from ...weightsync import auth
 
 PUBLIC_PREFIXES = ("/v1/", "/v2/", "/inference/", "/cohere/")
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load", "/tokenize", "/detokenize",
-                          "/tokenizer_info", "/docs", "/redoc", "/openapi.json"})
+PUBLIC_PATHS = frozenset(
+    {
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/load",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/docs",
+        "/redoc",
+        "/openapi.json",
+    }
+)
 GUARDED_PUBLIC = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})  # change the served weights
 
 
@@ -36,13 +49,21 @@ class SyncAuthMiddleware:
 
     async def _reply(self, send, code: int, message: str) -> None:
         body = json.dumps({"error": message}).encode()
-        await send({"type": "http.response.start", "status": code,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" \
-                or is_public(scope.get("path", "")):
+        if (
+            scope["type"] not in ("http", "websocket")
+            or scope.get("method") == "OPTIONS"
+            or is_public(scope.get("path", ""))
+        ):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":  # no control route is a websocket
             return await send({"type": "websocket.close", "code": 1008})
@@ -59,7 +80,9 @@ class SyncAuthMiddleware:
             more = message.get("more_body", False)
         body = b"".join(chunks)
         raw = scope.get("raw_path") or scope["path"].encode()
-        path = raw.decode("latin-1") + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        path = raw.decode("latin-1") + (
+            ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
+        )
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         try:
             self.verifier.request(scope["method"], path, body, headers)

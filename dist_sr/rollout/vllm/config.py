@@ -13,26 +13,28 @@ TRANSPORTS = ("broadcast", "shard-direct")
 @dataclass
 class FleetConfig:
     """A fleet of ``vllm serve`` engines that receive the trainer's BF16 weights after every step."""
+
     urls: list = field(default_factory=list)  # engine base URLs; empty = from the cluster section (Kubernetes)
-    replicas: int = 1                 # engines (Kubernetes StatefulSet replicas)
-    tensor_parallel_size: int = 1     # workers per engine; each joins the weight-transfer group
-    port: int = 8000                  # each engine's HTTP port
-    group_port: int = GROUP_PORT      # trainer rank 0 hosts the weight-transfer group's store here
-    group_host: str | None = None     # address engines use to reach trainer rank 0 (default: this host)
-    transport: str = "broadcast"      # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
-    bucket_mb: float = 64.0           # gather/send granularity
-    delta_sync: bool = False          # grid-step deltas after the first verified sync (host copy of the weights kept)
-    timeout_s: float = TIMEOUT_S      # per collective and per HTTP call; an engine that exceeds it is dropped
-    snapshot_dir: str | None = None   # versioned safetensors snapshots, for engines that (re)start
-    snapshot_every: int = 0           # with snapshot_dir: also every N versions (0 = only the start weights)
+    replicas: int = 1  # engines (Kubernetes StatefulSet replicas)
+    tensor_parallel_size: int = 1  # workers per engine; each joins the weight-transfer group
+    port: int = 8000  # each engine's HTTP port
+    group_port: int = GROUP_PORT  # trainer rank 0 hosts the weight-transfer group's store here
+    group_host: str | None = None  # address engines use to reach trainer rank 0 (default: this host)
+    transport: str = "broadcast"  # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
+    bucket_mb: float = 64.0  # gather/send granularity
+    delta_sync: bool = False  # grid-step deltas after the first verified sync (host copy of the weights kept)
+    timeout_s: float = TIMEOUT_S  # per collective and per HTTP call; an engine that exceeds it is dropped
+    snapshot_dir: str | None = None  # versioned safetensors snapshots, for engines that (re)start
+    snapshot_every: int = 0  # with snapshot_dir: also every N versions (0 = only the start weights)
     startup_timeout_s: float = 1800.0  # how long the first sync waits for an engine to come up
     max_model_len: int = 128
     gpu_memory_utilization: float = 0.85
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
-            raise ConfigError(f"rollout.vllm.transport: unknown transport {self.transport!r}; "
-                              f"choose one of {', '.join(TRANSPORTS)}")
+            raise ConfigError(
+                f"rollout.vllm.transport: unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}"
+            )
         if self.replicas < 1 or self.tensor_parallel_size < 1:
             raise ConfigError("rollout.vllm.replicas and rollout.vllm.tensor_parallel_size must be >= 1")
         if self.bucket_mb <= 0 or self.timeout_s <= 0:

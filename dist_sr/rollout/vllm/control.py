@@ -16,8 +16,15 @@ from ...weightsync import auth
 from ...weightsync.control import TIMEOUT_S, EngineError
 
 
-def http(url: str, path: str, body: dict | None = None, *, timeout: float, method: str | None = None,
-         secret: bytes | None = None) -> dict:
+def http(
+    url: str,
+    path: str,
+    body: dict | None = None,
+    *,
+    timeout: float,
+    method: str | None = None,
+    secret: bytes | None = None,
+) -> dict:
     """One JSON request; signed with ``secret`` when given (control routes)."""
     data = None if body is None else json.dumps(body).encode()
     method = method or ("GET" if body is None else "POST")
@@ -49,8 +56,9 @@ class VLLMControl:
         self.secret = secret if secret is not None else auth.load()
 
     def _post(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        return http(self.name, path, body if body is not None else {}, timeout=timeout or self.timeout_s,
-                    secret=self.secret)
+        return http(
+            self.name, path, body if body is not None else {}, timeout=timeout or self.timeout_s, secret=self.secret
+        )
 
     def health(self) -> None:
         http(self.name, "/health", timeout=min(self.timeout_s, 10), method="GET")
@@ -84,8 +92,10 @@ class VLLMControl:
         passes on whatever the worker returned) is an engine error."""
         results = self._post("/collective_rpc", {"method": "dist_sr_weight_report"}).get("results")
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-            raise EngineError(f"{self.name}/collective_rpc: the workers' weight reports are {results!r}, not "
-                              "reports (is the worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)")
+            raise EngineError(
+                f"{self.name}/collective_rpc: the workers' weight reports are {results!r}, not "
+                "reports (is the worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
+            )
         return results
 
     def resume(self) -> None:

@@ -26,10 +26,20 @@ from .control import controls, http
 
 log = logging.getLogger(__name__)
 
+
 class VLLMFleetEngine:
-    def __init__(self, sync: WeightSync, tokenizer, *, timeout_s: float = TIMEOUT_S, device=None,
-                 snapshot_dir: str | None = None, snapshot_every: int = 0, model_config=None,
-                 startup_timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        sync: WeightSync,
+        tokenizer,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        device=None,
+        snapshot_dir: str | None = None,
+        snapshot_every: int = 0,
+        model_config=None,
+        startup_timeout_s: float = 1800.0,
+    ):
         self.sync, self.tokenizer = sync, tokenizer
         self.timeout_s, self.device = timeout_s, device
         self.snapshot_dir, self.snapshot_every, self.model_config = snapshot_dir, snapshot_every, model_config
@@ -40,22 +50,38 @@ class VLLMFleetEngine:
     @classmethod
     def from_config(cls, fleet_cfg, trainer, tokenizer, device=None) -> "VLLMFleetEngine":
         if not fleet_cfg.urls:
-            raise ValueError("rollout.engine=vllm needs rollout.vllm.urls (the engines' base URLs), "
-                             "or a Kubernetes render (dist-sr k8s) that fills them in")
+            raise ValueError(
+                "rollout.engine=vllm needs rollout.vllm.urls (the engines' base URLs), "
+                "or a Kubernetes render (dist-sr k8s) that fills them in"
+            )
         host = fleet_cfg.group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        sync = WeightSync(trainer.weight_source(), controls(fleet_cfg.urls, fleet_cfg.timeout_s),
-                          transport=fleet_cfg.transport,
-                          bucket_mb=fleet_cfg.bucket_mb, timeout_s=fleet_cfg.timeout_s, group_host=host,
-                          group_port=fleet_cfg.group_port, delta=fleet_cfg.delta_sync)
-        return cls(sync, tokenizer, timeout_s=fleet_cfg.timeout_s, device=device, snapshot_dir=fleet_cfg.snapshot_dir,
-                   snapshot_every=fleet_cfg.snapshot_every, model_config=getattr(trainer.module, "config", None),
-                   startup_timeout_s=fleet_cfg.startup_timeout_s)
+        sync = WeightSync(
+            trainer.weight_source(),
+            controls(fleet_cfg.urls, fleet_cfg.timeout_s),
+            transport=fleet_cfg.transport,
+            bucket_mb=fleet_cfg.bucket_mb,
+            timeout_s=fleet_cfg.timeout_s,
+            group_host=host,
+            group_port=fleet_cfg.group_port,
+            delta=fleet_cfg.delta_sync,
+        )
+        return cls(
+            sync,
+            tokenizer,
+            timeout_s=fleet_cfg.timeout_s,
+            device=device,
+            snapshot_dir=fleet_cfg.snapshot_dir,
+            snapshot_every=fleet_cfg.snapshot_every,
+            model_config=getattr(trainer.module, "config", None),
+            startup_timeout_s=fleet_cfg.startup_timeout_s,
+        )
 
     def sync_weights(self, version: int, verify: bool = True) -> None:
         first = self.version is None
         if self.snapshot_dir and (first or (self.snapshot_every and version % self.snapshot_every == 0)):
-            write_snapshot(self.sync.source, self.snapshot_dir, version, config=self.model_config,
-                           tokenizer=self.tokenizer)
+            write_snapshot(
+                self.sync.source, self.snapshot_dir, version, config=self.model_config, tokenizer=self.tokenizer
+            )
         if first:
             self.wait_for_engines()
         self.sync.sync(version, verify=verify)
@@ -74,16 +100,21 @@ class VLLMFleetEngine:
                 except EngineError:
                     pass
             if time.monotonic() > deadline:
-                raise NoReadyEngineError(f"no rollout engine came up within {self.startup_timeout_s:.0f}s: "
-                                         f"{[e.url for e in self.sync.engines]}")
+                raise NoReadyEngineError(
+                    f"no rollout engine came up within {self.startup_timeout_s:.0f}s: "
+                    f"{[e.url for e in self.sync.engines]}"
+                )
             time.sleep(2)
 
     def sync_metrics(self) -> dict:
         """The last sync, for the step's metrics: bytes this rank sent, seconds, whether it was a
         delta sync."""
         r = self.sync.last
-        return {} if r is None else {"sync_bytes": r.bytes_sent, "sync_s": r.seconds,
-                                     "sync_delta": r.delta_base is not None}
+        return (
+            {}
+            if r is None
+            else {"sync_bytes": r.bytes_sent, "sync_s": r.seconds, "sync_delta": r.delta_base is not None}
+        )
 
     def trainer_digest(self) -> str:
         """Layout-free digest of the trainer's current working weights (collective)."""
@@ -108,8 +139,10 @@ class VLLMFleetEngine:
             for p in problems:
                 log.error("rollouts discarded: %s", p)
             self.sync.sync(self.version, verify=True)  # re-verify every engine (a changed one is resynced)
-        raise NoReadyEngineError(f"rollouts for weight version {self.version} kept coming from engines that changed "
-                                 f"after verification: {problems}")
+        raise NoReadyEngineError(
+            f"rollouts for weight version {self.version} kept coming from engines that changed "
+            f"after verification: {problems}"
+        )
 
     def _generate(self, prompts, seeds, samples_per_prompt, max_new_tokens, temperature, with_digest):
         result = self.sync.last
@@ -123,12 +156,21 @@ class VLLMFleetEngine:
 
         def request(i: int) -> list[list[int]]:
             url = ready[(i + offset) % len(ready)]
-            body = {"model": self._model_name(url), "prompt": rows[i], "n": samples_per_prompt,
-                    "max_tokens": max_new_tokens, "temperature": temperature, "seed": seeds[i],
-                    "return_token_ids": True, "skip_special_tokens": False, "logprobs": 0}
+            body = {
+                "model": self._model_name(url),
+                "prompt": rows[i],
+                "n": samples_per_prompt,
+                "max_tokens": max_new_tokens,
+                "temperature": temperature,
+                "seed": seeds[i],
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+                "logprobs": 0,
+            }
             try:
-                choices = sorted(http(url, "/v1/completions", body, timeout=self.timeout_s)["choices"],
-                                 key=lambda c: c["index"])
+                choices = sorted(
+                    http(url, "/v1/completions", body, timeout=self.timeout_s)["choices"], key=lambda c: c["index"]
+                )
             except EngineError as exc:
                 raise EngineError(f"rollout request to {url} failed: {exc}") from None
             return [(c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
@@ -137,8 +179,10 @@ class VLLMFleetEngine:
             answers = [c for per_prompt in pool.map(request, range(len(prompts))) for c in per_prompt]
         completions = [toks for toks, _ in answers]
         logprobs = [lp for _, lp in answers]
-        have_logprobs = all(lp is not None and len(lp) == len(toks) and all(isinstance(x, (int, float)) for x in lp)
-                            for toks, lp in answers)
+        have_logprobs = all(
+            lp is not None and len(lp) == len(toks) and all(isinstance(x, (int, float)) for x in lp)
+            for toks, lp in answers
+        )
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         width = max(1, max(len(c) for c in completions))
         comp = torch.full((len(completions), width), pad, dtype=torch.long)
@@ -146,20 +190,30 @@ class VLLMFleetEngine:
         comp_logp = torch.zeros(comp.shape, dtype=torch.float32)
         for i, toks in enumerate(completions):
             if eos in toks:
-                toks = toks[:toks.index(eos) + 1]
-            comp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-            comp_mask[i, :len(toks)] = 1
+                toks = toks[: toks.index(eos) + 1]
+            comp[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            comp_mask[i, : len(toks)] = 1
             if have_logprobs:
-                comp_logp[i, :len(toks)] = torch.tensor(logprobs[i][:len(toks)], dtype=torch.float32)
+                comp_logp[i, : len(toks)] = torch.tensor(logprobs[i][: len(toks)], dtype=torch.float32)
         texts = self.tokenizer.batch_decode(comp * comp_mask + pad * (1 - comp_mask), skip_special_tokens=True)
         ids = ids.repeat_interleave(samples_per_prompt, 0)
         mask = mask.repeat_interleave(samples_per_prompt, 0)
         dev = self.device
         if with_digest and not result.digest:
-            raise NoReadyEngineError(f"weight sync {self.version} ran without verification; sync with verify=True "
-                                     "to get a digest with the rollouts")
-        return Rollouts(ids.to(dev), mask.to(dev), comp.to(dev), comp_mask.to(dev), texts, self.version,
-                        result.digest if with_digest else None, comp_logp.to(dev) if have_logprobs else None), used
+            raise NoReadyEngineError(
+                f"weight sync {self.version} ran without verification; sync with verify=True "
+                "to get a digest with the rollouts"
+            )
+        return Rollouts(
+            ids.to(dev),
+            mask.to(dev),
+            comp.to(dev),
+            comp_mask.to(dev),
+            texts,
+            self.version,
+            result.digest if with_digest else None,
+            comp_logp.to(dev) if have_logprobs else None,
+        ), used
 
 
 def make_vllm_fleet(config, trainer, tokenizer, *, device, sharded: bool) -> VLLMFleetEngine:

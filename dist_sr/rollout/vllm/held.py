@@ -43,7 +43,11 @@ class LoadRecord:
             stored = tensor.detach()
             if stored.is_floating_point() and stored.dtype != self.dtype:
                 stored = stored.to(self.dtype)  # what the parameter's copy_ makes of it
-            staged[name] = (dtype_name(stored.dtype), tuple(stored.shape), piece_sum(stored.contiguous().reshape(-1), 0))
+            staged[name] = (
+                dtype_name(stored.dtype),
+                tuple(stored.shape),
+                piece_sum(stored.contiguous().reshape(-1), 0),
+            )
             yield name, tensor
 
 
@@ -90,9 +94,11 @@ def report(model: torch.nn.Module) -> dict:
     if record is None:
         if _not_recorded:
             raise RuntimeError(f"this engine's loads were not recorded: {_not_recorded[-1]}")
-        raise RuntimeError("this engine's loads were not recorded: dist-sr's vLLM plugin was not loaded in this "
-                           "process (pip install dist-sr where vLLM runs, and keep VLLM_PLUGINS unset or naming "
-                           "dist_sr), or the model was not loaded by vLLM's default loader")
+        raise RuntimeError(
+            "this engine's loads were not recorded: dist-sr's vLLM plugin was not loaded in this "
+            "process (pip install dist-sr where vLLM runs, and keep VLLM_PLUGINS unset or naming "
+            "dist_sr), or the model was not loaded by vLLM's default loader"
+        )
     return {"method": "recorded at load", "digests": _hex(record.entries)}
 
 

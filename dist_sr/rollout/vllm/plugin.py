@@ -54,16 +54,20 @@ class VLLMCapabilities:
         """Why dist-sr's weight-transfer backend cannot run on this vLLM, or None."""
         if not self.backend_missing:
             return None
-        return (f"dist-sr's weight-transfer backend needs {'; '.join(self.backend_missing)}, which vLLM "
-                f"{self.version} lacks; use a vLLM with the weight-transfer API (0.24 or newer), or push weights "
-                "through the model's load_weights (TRL-style) and verify them with the held-weights record")
+        return (
+            f"dist-sr's weight-transfer backend needs {'; '.join(self.backend_missing)}, which vLLM "
+            f"{self.version} lacks; use a vLLM with the weight-transfer API (0.24 or newer), or push weights "
+            "through the model's load_weights (TRL-style) and verify them with the held-weights record"
+        )
 
     def record_refusal(self) -> str | None:
         """Why the held-weights record cannot see this vLLM's loads, or None."""
         if not self.record_missing:
             return None
-        return (f"the held-weights record needs {'; '.join(self.record_missing)}, where every load ends, and vLLM "
-                f"{self.version} lacks it: this engine cannot report what it holds")
+        return (
+            f"the held-weights record needs {'; '.join(self.record_missing)}, where every load ends, and vLLM "
+            f"{self.version} lacks it: this engine cannot report what it holds"
+        )
 
 
 def _find(module: str, names: tuple[str, ...], missing: list[str]):
@@ -94,8 +98,9 @@ def capabilities() -> VLLMCapabilities:
     factory = _find("vllm.distributed.weight_transfer.factory", ("WeightTransferEngineFactory",), backend)
     if factory is not None and not hasattr(factory.WeightTransferEngineFactory, "register_engine"):
         backend.append("WeightTransferEngineFactory.register_engine")
-    _find("vllm.model_executor.model_loader.reload", ("initialize_layerwise_reload", "finalize_layerwise_reload"),
-          backend)
+    _find(
+        "vllm.model_executor.model_loader.reload", ("initialize_layerwise_reload", "finalize_layerwise_reload"), backend
+    )
     loader = _find("vllm.model_executor.model_loader.default_loader", ("DefaultModelLoader",), record)
     if loader is not None:
         params = list(inspect.signature(loader.DefaultModelLoader.load_weights).parameters)
@@ -108,12 +113,19 @@ def capabilities() -> VLLMCapabilities:
         engine_args = tuple(inspect.signature(engine.__init__).parameters)[2:]  # after self, config
         lifecycle = "start_weight_update" in engine.__dict__ and "finish_weight_update" in engine.__dict__
         if engine_args not in (("vllm_config", "device", "model"), ("parallel_config", "model")):
-            backend.append(f"a WeightTransferEngine(config, ...) constructor dist-sr knows (this one takes config, "
-                           f"{', '.join(engine_args)})")
+            backend.append(
+                f"a WeightTransferEngine(config, ...) constructor dist-sr knows (this one takes config, "
+                f"{', '.join(engine_args)})"
+            )
         if not lifecycle and not _worker_drives_reload():
             backend.append("start_weight_update/finish_weight_update on the weight-transfer engine or the worker")
-    return VLLMCapabilities(getattr(vllm, "__version__", "unknown"), engine_lifecycle=lifecycle,
-                            engine_args=engine_args, backend_missing=tuple(backend), record_missing=tuple(record))
+    return VLLMCapabilities(
+        getattr(vllm, "__version__", "unknown"),
+        engine_lifecycle=lifecycle,
+        engine_args=engine_args,
+        backend_missing=tuple(backend),
+        record_missing=tuple(record),
+    )
 
 
 def _worker_class():
@@ -243,14 +255,20 @@ class DistSRWeightTransferEngine(_engine_base()):
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
         """Declared abstract by vLLM 0.24-0.27's base; dist-sr's trainer side is ``WeightSync``."""
-        raise NotImplementedError("dist-sr sends weights with dist_sr.weightsync.WeightSync, not through vLLM's "
-                                  "trainer API")
+        raise NotImplementedError(
+            "dist-sr sends weights with dist_sr.weightsync.WeightSync, not through vLLM's trainer API"
+        )
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         pc = self.parallel_config
         self.receiver.init(init_info, worker_index=pc.data_parallel_index * pc.world_size + pc.rank)
-        log.info("dist-sr weight transfer: rank %d of %d, %d sender(s), generation %d", self.receiver.rank,
-                 init_info.world_size, init_info.senders, init_info.generation)
+        log.info(
+            "dist-sr weight transfer: rank %d of %d, %d sender(s), generation %d",
+            self.receiver.rank,
+            init_info.world_size,
+            init_info.senders,
+            init_info.generation,
+        )
 
     def update_started(self) -> None:
         self.receiver.start()
@@ -268,8 +286,10 @@ class DistSRWeightTransferEngine(_engine_base()):
             try:
                 finalize_layerwise_reload(self.model, self.model_config)
             except Exception as exc:
-                raise RuntimeError(f"cannot recover from the interrupted weight update ({exc}); restart this "
-                                   "engine: the trainer then resyncs it before it serves") from exc
+                raise RuntimeError(
+                    f"cannot recover from the interrupted weight update ({exc}); restart this "
+                    "engine: the trainer then resyncs it before it serves"
+                ) from exc
             self.reload_open = False
         self.update_started()
         initialize_layerwise_reload(self.model)

@@ -66,8 +66,9 @@ class TritonBackend:
             return
         cached = batch.launches.get(("triton", flat))
         if cached is None:
-            cached = launch.SRLaunch([batch.xs[i] for i in flat], [batch.outs[i] for i in flat],
-                                     [batch.offsets[i] for i in flat])
+            cached = launch.SRLaunch(
+                [batch.xs[i] for i in flat], [batch.outs[i] for i in flat], [batch.offsets[i] for i in flat]
+            )
             batch.launches[("triton", flat)] = cached
         if device_step is not None:
             cached(None, device_step, names)
@@ -85,10 +86,16 @@ class TritonBackend:
             if cached is None:
                 flat = [plan.flat[i] for i in sel]
                 names = [[plan.names[i] for i in sel]] + [[row[i] for i in sel] for row in plan.moment_names]
-                cached = launch.AdamWLaunch([f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat],
-                                            None if pure else [f[3] for f in flat],
-                                            [plan.pieces[i].offset for i in sel], pure=pure, moment_bf16=moment_bf16,
-                                            names=names)
+                cached = launch.AdamWLaunch(
+                    [f[0] for f in flat],
+                    [f[1] for f in flat],
+                    [f[2] for f in flat],
+                    None if pure else [f[3] for f in flat],
+                    [plan.pieces[i].offset for i in sel],
+                    pure=pure,
+                    moment_bf16=moment_bf16,
+                    names=names,
+                )
                 plan.launches[(pure, tuple(sel))] = cached
             every = len(sel) == len(grads)  # the usual step: every piece, in order
             used, rows = distinct_rows(slots if every else slots[sel])
@@ -97,14 +104,17 @@ class TritonBackend:
             device = plan.pieces[sel[0]].p.device
             scale_t = grad_scale.reshape(1) if scale is None else launch.scale_tensor(scale, device)
             if device_step is not None:
-                hyper = np.asarray([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in (hypers[s] for s in used)],
-                                   dtype=np.float64)
+                hyper = np.asarray(
+                    [[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in (hypers[s] for s in used)],
+                    dtype=np.float64,
+                )
                 cached(sel_grads, None, rows, None, scale_t, device_step=device_step, hyper=hyper)
                 continue
             consts = np.asarray([constants(hypers[s]) for s in used], dtype=np.float32)
             if isinstance(keys, KeyStep):
-                cached(sel_grads, None, rows, consts, scale_t, key_step=keys,
-                       dtypes=plan.grad_dtypes if every else None)
+                cached(
+                    sel_grads, None, rows, consts, scale_t, key_step=keys, dtypes=plan.grad_dtypes if every else None
+                )
                 continue
             cached(sel_grads, None if keys is None else keys[:, sel], rows, consts, scale_t)
 

@@ -98,6 +98,7 @@ def _tile(blk, g0, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
 
 # ---- SR cast -----------------------------------------------------------------------------------
 
+
 @triton.jit
 def _sr_block(x_ptr, out_ptr, n, g0, key, blk, KEYED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     j, q = _tile(blk, g0, BLOCK, ALIGNED)
@@ -172,9 +173,26 @@ ADAMW_CONSTS = ("one_minus_beta1", "beta2", "one_minus_beta2", "decay", "neg_ste
 
 
 @triton.jit
-def _adamw_tile(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, j, q, mask, kp, km, kv, c, scale,
-                MASKED: tl.constexpr, KEYED: tl.constexpr, GRAD_BF16: tl.constexpr, PURE: tl.constexpr,
-                MOMENT_BF16: tl.constexpr):
+def _adamw_tile(
+    p_ptr,
+    m_ptr,
+    v_ptr,
+    g_ptr,
+    out_ptr,
+    j,
+    q,
+    mask,
+    kp,
+    km,
+    kv,
+    c,
+    scale,
+    MASKED: tl.constexpr,
+    KEYED: tl.constexpr,
+    GRAD_BF16: tl.constexpr,
+    PURE: tl.constexpr,
+    MOMENT_BF16: tl.constexpr,
+):
     if MASKED:
         g = tl.load(g_ptr + j, mask=mask, other=0)
         p = tl.load(p_ptr + j, mask=mask, other=0)
@@ -226,9 +244,21 @@ def _ptr(addr, dtype, ALIGNED: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def adamw_many_kernel(meta, bmap, keys, step_data, consts, scale_ptr, T, KEYED: tl.constexpr, ALIGNED: tl.constexpr,
-                      GRAD_BF16: tl.constexpr, PURE: tl.constexpr,
-                      MOMENT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def adamw_many_kernel(
+    meta,
+    bmap,
+    keys,
+    step_data,
+    consts,
+    scale_ptr,
+    T,
+    KEYED: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    GRAD_BF16: tl.constexpr,
+    PURE: tl.constexpr,
+    MOMENT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """``meta[ADAMW_FIELDS, T]``, ``bmap`` (one entry per program), ``keys[3, T]`` (int64: param,
     exp_avg, exp_avg_sq),
     ``step_data[ADAMW_STEP_FIELDS, T]``, ``consts[slots, 8]`` (FP32), ``scale_ptr``: the gradient
@@ -256,9 +286,45 @@ def adamw_many_kernel(meta, bmap, keys, step_data, consts, scale_ptr, T, KEYED: 
     scale = tl.load(scale_ptr)
     j, q = _tile(blk, g0, BLOCK, ALIGNED)
     if ALIGNED and blk * BLOCK + BLOCK <= n:
-        _adamw_tile(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, j, q, None, kp, km, kv, c, scale,
-                    False, KEYED, GRAD_BF16, PURE, MOMENT_BF16)
+        _adamw_tile(
+            p_ptr,
+            m_ptr,
+            v_ptr,
+            g_ptr,
+            out_ptr,
+            j,
+            q,
+            None,
+            kp,
+            km,
+            kv,
+            c,
+            scale,
+            False,
+            KEYED,
+            GRAD_BF16,
+            PURE,
+            MOMENT_BF16,
+        )
     else:
         mask = (j >= 0) & (j < n)
-        _adamw_tile(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, j, q, mask, kp, km, kv, c, scale,
-                    True, KEYED, GRAD_BF16, PURE, MOMENT_BF16)
+        _adamw_tile(
+            p_ptr,
+            m_ptr,
+            v_ptr,
+            g_ptr,
+            out_ptr,
+            j,
+            q,
+            mask,
+            kp,
+            km,
+            kv,
+            c,
+            scale,
+            True,
+            KEYED,
+            GRAD_BF16,
+            PURE,
+            MOMENT_BF16,
+        )

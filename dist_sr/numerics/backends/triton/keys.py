@@ -77,21 +77,69 @@ def _half(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, x):
 
 
 @triton.jit
-def _round(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
-           tmpl, base, row, lanes, mask, T, s, first, W: tl.constexpr, K: tl.constexpr):
+def _round(
+    v0,
+    v1,
+    v2,
+    v3,
+    v4,
+    v5,
+    v6,
+    v7,
+    v8,
+    v9,
+    v10,
+    v11,
+    v12,
+    v13,
+    v14,
+    v15,
+    tmpl,
+    base,
+    row,
+    lanes,
+    mask,
+    T,
+    s,
+    first,
+    W: tl.constexpr,
+    K: tl.constexpr,
+):
     """One BLAKE2b round (message schedule ``row``): G down the columns, then the diagonals."""
     x = _words(tmpl, base, row, lanes, mask, T, s, first, W, K)
     v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _half(
-        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, x)
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, x
+    )
     x = _words(tmpl, base, row + 8, lanes, mask, T, s, first, W, K)
     v0, v1, v2, v3, v5, v6, v7, v4, v10, v11, v8, v9, v15, v12, v13, v14 = _half(
-        v0, v1, v2, v3, v5, v6, v7, v4, v10, v11, v8, v9, v15, v12, v13, v14, x)
+        v0, v1, v2, v3, v5, v6, v7, v4, v10, v11, v8, v9, v15, v12, v13, v14, x
+    )
     return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
 
 
 @triton.jit
-def _compress(h0, h1, h2, h3, h4, h5, h6, h7, tmpl, base, sigma, lanes, mask, T, s, first, t, last,
-              W: tl.constexpr, K: tl.constexpr):
+def _compress(
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,
+    tmpl,
+    base,
+    sigma,
+    lanes,
+    mask,
+    T,
+    s,
+    first,
+    t,
+    last,
+    W: tl.constexpr,
+    K: tl.constexpr,
+):
     v0, v1, v2, v3, v4, v5, v6, v7 = h0, h1, h2, h3, h4, h5, h6, h7
     v8 = tl.full(h0.shape, 0x6A09E667F3BCC908, tl.uint64)
     v9 = tl.full(h0.shape, 0xBB67AE8584CAA73B, tl.uint64)
@@ -104,10 +152,43 @@ def _compress(h0, h1, h2, h3, h4, h5, h6, h7, tmpl, base, sigma, lanes, mask, T,
     v15 = tl.full(h0.shape, 0x5BE0CD19137E2179, tl.uint64)
     for r in range(12):
         v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _round(
-            v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
-            tmpl, base, sigma + (r % 10) * 16, lanes, mask, T, s, first, W, K)
-    return (h0 ^ v0 ^ v8, h1 ^ v1 ^ v9, h2 ^ v2 ^ v10, h3 ^ v3 ^ v11, h4 ^ v4 ^ v12, h5 ^ v5 ^ v13, h6 ^ v6 ^ v14,
-            h7 ^ v7 ^ v15)
+            v0,
+            v1,
+            v2,
+            v3,
+            v4,
+            v5,
+            v6,
+            v7,
+            v8,
+            v9,
+            v10,
+            v11,
+            v12,
+            v13,
+            v14,
+            v15,
+            tmpl,
+            base,
+            sigma + (r % 10) * 16,
+            lanes,
+            mask,
+            T,
+            s,
+            first,
+            W,
+            K,
+        )
+    return (
+        h0 ^ v0 ^ v8,
+        h1 ^ v1 ^ v9,
+        h2 ^ v2 ^ v10,
+        h3 ^ v3 ^ v11,
+        h4 ^ v4 ^ v12,
+        h5 ^ v5 ^ v13,
+        h6 ^ v6 ^ v14,
+        h7 ^ v7 ^ v15,
+    )
 
 
 @triton.jit
@@ -123,8 +204,22 @@ def _powi(x, n):
 
 
 @triton.jit(do_not_specialize=["T", "S", "NB"])
-def step_data_kernel(tmpl, lens, sigma, step_ptr, keys, T, hyper, consts, S, NB, STEP_BYTE: tl.constexpr,
-                     KEYED_STEP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+def step_data_kernel(
+    tmpl,
+    lens,
+    sigma,
+    step_ptr,
+    keys,
+    T,
+    hyper,
+    consts,
+    S,
+    NB,
+    STEP_BYTE: tl.constexpr,
+    KEYED_STEP: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+):
     """For the step after ``*step_ptr``: ``keys[t]`` (int64) of every lane's message ``tmpl``
     (``lens[t]`` bytes, at most ``NB`` blocks; ``sigma``: ``SIGMA`` as int32), and (program 0)
     AdamW's FP32 constants ``consts[S, 8]`` from the double hyper-parameters ``hyper[S, 5]`` =
@@ -150,8 +245,28 @@ def step_data_kernel(tmpl, lens, sigma, step_ptr, keys, T, hyper, consts, S, NB,
         # the step's 8 bytes start at STEP_BYTE (22: the top of word 2 and the bottom of word 3), block 0
         last = nblocks == b + 1
         t = tl.where(last, n, (b + 1) * 128).to(tl.uint64)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(h0, h1, h2, h3, h4, h5, h6, h7, tmpl, b * 16, sigma, lanes, mask, T,
-                                                   s, b == 0, t, last, STEP_BYTE // 8, (STEP_BYTE % 8) * 8)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
+            h0,
+            h1,
+            h2,
+            h3,
+            h4,
+            h5,
+            h6,
+            h7,
+            tmpl,
+            b * 16,
+            sigma,
+            lanes,
+            mask,
+            T,
+            s,
+            b == 0,
+            t,
+            last,
+            STEP_BYTE // 8,
+            (STEP_BYTE % 8) * 8,
+        )
         live = nblocks > b
         h0 = tl.where(live, c0, h0)
         h1 = tl.where(live, c1, h1)

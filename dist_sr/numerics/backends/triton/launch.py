@@ -47,7 +47,9 @@ _DTYPE = attrgetter("dtype")
 def check_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     device = tensors[0].device
     if device.type != "cuda" and not interpreting():
-        raise ValueError(f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run them on the CPU")
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run them on the CPU"
+        )
     for t in tensors:
         if t.device != device or not t.is_contiguous():
             raise ValueError("Triton kernels need contiguous tensors on one device")
@@ -86,8 +88,9 @@ def run_compiled(kernel, grid: int, device: int, args: Sequence) -> bool:
     except Exception as exc:  # another Triton's launcher interface: the JIT path from now on
         import warnings
 
-        warnings.warn(f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"dist_sr: direct Triton launch unavailable ({exc}); using the JIT launcher", RuntimeWarning, stacklevel=2
+        )
         _DIRECT[0] = False
         return False
     return True
@@ -115,8 +118,10 @@ class Launcher:
             self.fn[(grid,)](*args, num_warps=num_warps, **kw)
             return
         device = current_device()
-        spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
-                     for a in args)
+        spec = tuple(
+            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
+            for a in args
+        )
         kws = tuple(kw.items())  # a call site passes its keywords in one order: no sorting per call
         key = (spec, device, num_warps, kws)
         kernel = self.compiled.get(key)
@@ -125,8 +130,10 @@ class Launcher:
             return
         order = self._orders.get(kws)
         if order is None:  # the positional arguments' places among the kernel's, the keywords filled in
-            order = self._orders[kws] = ([kw.get(n) for n in self.names], [i for i, n in enumerate(self.names)
-                                                                           if n not in kw])
+            order = self._orders[kws] = (
+                [kw.get(n) for n in self.names],
+                [i for i, n in enumerate(self.names) if n not in kw],
+            )
         full = order[0].copy()
         # raw addresses: the launcher would otherwise call data_ptr() and ask the driver about each
         for i, a in zip(order[1], args):
@@ -157,8 +164,9 @@ class TensorTable:
     grid: int
 
 
-def table_arrays(fields: Sequence[Sequence[int]], ns: Sequence[int], g0s: Sequence[int], block: int,
-                 aligned: bool) -> tuple[np.ndarray, np.ndarray]:
+def table_arrays(
+    fields: Sequence[Sequence[int]], ns: Sequence[int], g0s: Sequence[int], block: int, aligned: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """The host arrays of a ``TensorTable``: ``meta`` (len(fields) x T, int64) and ``starts``.
 
     Their sizes depend on the number of tensors only: a tensor of ``n`` elements is one entry
@@ -215,12 +223,13 @@ def _make_table(fields, ns, g0s, block, aligned, device) -> TensorTable:
     both = upload(np.concatenate([meta.reshape(-1), starts]), device)
     grid = int(starts[-1])
     bmap = torch.empty(max(grid, 1), dtype=torch.int64, device=device)
-    tk.block_map_kernel[(len(ns),)](both[meta.size:], bmap, CHUNK=1024)
-    return TensorTable(both[:meta.size], bmap, len(ns), grid)
+    tk.block_map_kernel[(len(ns),)](both[meta.size :], bmap, CHUNK=1024)
+    return TensorTable(both[: meta.size], bmap, len(ns), grid)
 
 
-def _split_by_alignment(count: int, addresses: Sequence[Sequence[int]],
-                        g0s: Sequence[int]) -> list[tuple[bool, list[int]]]:
+def _split_by_alignment(
+    count: int, addresses: Sequence[Sequence[int]], g0s: Sequence[int]
+) -> list[tuple[bool, list[int]]]:
     """Indices of the aligned pieces and of the others (the second group is usually empty)."""
     flags = [g0s[i] % 4 == 0 and all(a[i] % ALIGN_BYTES == 0 for a in addresses) for i in range(count)]
     groups = [(True, [i for i in range(count) if flags[i]]), (False, [i for i in range(count) if not flags[i]])]
@@ -242,24 +251,44 @@ class KeyTemplates:
         self.blocks = max(1, max(-(-len(m) // 128) for m in msgs))
         raw = np.zeros((len(msgs), self.blocks * 128), dtype=np.uint8)
         for i, m in enumerate(msgs):
-            raw[i, :len(m)] = np.frombuffer(m, dtype=np.uint8)
+            raw[i, : len(m)] = np.frombuffer(m, dtype=np.uint8)
         words = np.ascontiguousarray(raw.view("<u8").view(np.int64).T)
         sigma = np.asarray(triton_keys.SIGMA, dtype=np.int64).reshape(-1)
-        both = upload(np.concatenate([words.reshape(-1), np.asarray([len(m) for m in msgs], dtype=np.int64), sigma]),
-                      device)
-        self.words, self.lens = both[:words.size], both[words.size:words.size + len(msgs)]
-        self.sigma = both[words.size + len(msgs):]
+        both = upload(
+            np.concatenate([words.reshape(-1), np.asarray([len(m) for m in msgs], dtype=np.int64), sigma]), device
+        )
+        self.words, self.lens = both[: words.size], both[words.size : words.size + len(msgs)]
+        self.sigma = both[words.size + len(msgs) :]
         self.stochastic = mode == "stochastic"
 
-    def run(self, counter: torch.Tensor, keys: torch.Tensor, hyper: torch.Tensor | None = None,
-            consts: torch.Tensor | None = None, slots: int = 0) -> None:
+    def run(
+        self,
+        counter: torch.Tensor,
+        keys: torch.Tensor,
+        hyper: torch.Tensor | None = None,
+        consts: torch.Tensor | None = None,
+        slots: int = 0,
+    ) -> None:
         """Keys of step ``counter + 1`` into ``keys``; with ``hyper`` (float64 ``[slots, 5]``:
         lr, beta1, beta2, eps, weight decay), AdamW's constants of that step into ``consts``."""
         launcher(triton_keys.step_data_kernel)(
-            triton_cdiv(self.count, KEY_LANES), self.words, self.lens, self.sigma, counter, keys, self.count,
+            triton_cdiv(self.count, KEY_LANES),
+            self.words,
+            self.lens,
+            self.sigma,
+            counter,
+            keys,
+            self.count,
             keys if hyper is None else hyper,
-            keys if consts is None else consts, slots, self.blocks, STEP_BYTE=STEP_BYTE, KEYED_STEP=self.stochastic,
-            BT=KEY_LANES, BS=max(1, 1 << (max(slots, 1) - 1).bit_length()), **_fp_options())
+            keys if consts is None else consts,
+            slots,
+            self.blocks,
+            STEP_BYTE=STEP_BYTE,
+            KEYED_STEP=self.stochastic,
+            BT=KEY_LANES,
+            BS=max(1, 1 << (max(slots, 1) - 1).bit_length()),
+            **_fp_options(),
+        )
 
 
 # ---- SR cast -------------------------------------------------------------------------------------
@@ -268,8 +297,9 @@ class KeyTemplates:
 _ONE: dict[tuple, object] = {}
 
 
-def round_one(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
-              rows: tuple[int, int] | None = None) -> None:
+def round_one(
+    x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int, rows: tuple[int, int] | None = None
+) -> None:
     """One contiguous FP32 tensor into a contiguous BF16 one of as many elements; ``key`` signed
     64-bit or None (nearest).
 
@@ -284,8 +314,19 @@ def round_one(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
     keyed = key is not None
     if rows is not None and keyed:
         check_device([x, out])
-        launcher(tk.sr_rows_kernel)(triton_cdiv(n, SR_BLOCK), x.view(torch.int32), out.view(torch.int16), n, offset,
-                                    key, rows[0], rows[1], KEYED=True, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+        launcher(tk.sr_rows_kernel)(
+            triton_cdiv(n, SR_BLOCK),
+            x.view(torch.int32),
+            out.view(torch.int16),
+            n,
+            offset,
+            key,
+            rows[0],
+            rows[1],
+            KEYED=True,
+            BLOCK=SR_BLOCK,
+            num_warps=SR_WARPS,
+        )
         return
     xp, op = x.data_ptr(), out.data_ptr()
     k = key if keyed else 0
@@ -296,12 +337,26 @@ def round_one(x: torch.Tensor, out: torch.Tensor, key: int | None, offset: int,
     spec = (block, SR_WARPS, device, keyed, aligned, x16, o16, n < 1 << 31, offset < 1 << 31, -(1 << 31) <= k < 1 << 31)
     kernel = _ONE.get(spec)
     grid = -(-(n if aligned else n + offset % 4) // block)
-    if (kernel is not None and out.get_device() == device and x.is_contiguous() and out.is_contiguous()
-            and run_compiled(kernel, grid, device, (xp, op, n, offset, k, keyed, aligned, block))):
+    if (
+        kernel is not None
+        and out.get_device() == device
+        and x.is_contiguous()
+        and out.is_contiguous()
+        and run_compiled(kernel, grid, device, (xp, op, n, offset, k, keyed, aligned, block))
+    ):
         return
     check_device([x, out])
-    compiled = tk.sr_one_kernel[(grid,)](x.view(torch.int32), out.view(torch.int16), n, offset, k, KEYED=keyed,
-                                         ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+    compiled = tk.sr_one_kernel[(grid,)](
+        x.view(torch.int32),
+        out.view(torch.int16),
+        n,
+        offset,
+        k,
+        KEYED=keyed,
+        ALIGNED=aligned,
+        BLOCK=SR_BLOCK,
+        num_warps=SR_WARPS,
+    )
     if not interpreting() and _DIRECT[0]:
         _ONE[spec] = compiled
 
@@ -328,12 +383,18 @@ class SRLaunch:
         for aligned, idx in _split_by_alignment(len(self.live), (xa, oa), g0):
             fields = ([xa[i] for i in idx], [oa[i] for i in idx], [ns[i] for i in idx], [g0[i] for i in idx])
             signature = ("sr", SR_BLOCK, self.device, aligned, *map(tuple, fields))
-            table = TABLES.table(signature, lambda: _make_table(fields, fields[2], fields[3], SR_BLOCK, aligned,
-                                                                self.device))
+            table = TABLES.table(
+                signature, lambda: _make_table(fields, fields[2], fields[3], SR_BLOCK, aligned, self.device)
+            )
             self.groups.append((aligned, [self.live[i] for i in idx], table))
 
-    def __call__(self, keys: np.ndarray | None, device_step: DeviceStep | None = None,
-                 names: Sequence[str] | None = None, key_step: KeyStep | None = None) -> None:
+    def __call__(
+        self,
+        keys: np.ndarray | None,
+        device_step: DeviceStep | None = None,
+        names: Sequence[str] | None = None,
+        key_step: KeyStep | None = None,
+    ) -> None:
         """``keys``: int64 stream keys, one per tensor given at construction; None: nearest.
         With ``device_step`` (and the tensors' ``names``) the keys are derived on the device; with
         ``key_step`` (and ``names``) too, from that step, uploaded (``keys`` is then ignored)."""
@@ -353,15 +414,32 @@ class SRLaunch:
             for aligned, rows, table in self.groups:
                 key_dev = torch.empty(len(rows), dtype=torch.int64, device=self.device)
                 self._key_templates(rows, names, key_step.seed, key_step.mode).run(counter, key_dev)
-                launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, key_dev, table.count, KEYED=True,
-                                            ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+                launcher(tk.sr_many_kernel)(
+                    table.grid,
+                    table.meta,
+                    table.bmap,
+                    key_dev,
+                    table.count,
+                    KEYED=True,
+                    ALIGNED=aligned,
+                    BLOCK=SR_BLOCK,
+                    num_warps=SR_WARPS,
+                )
             return
         keyed = keys is not None
         for aligned, rows, table in self.groups:
             key_dev = upload(keys[rows], self.device) if keyed else table.meta
-            launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, key_dev, table.count, KEYED=keyed,
-                                        ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
-
+            launcher(tk.sr_many_kernel)(
+                table.grid,
+                table.meta,
+                table.bmap,
+                key_dev,
+                table.count,
+                KEYED=keyed,
+                ALIGNED=aligned,
+                BLOCK=SR_BLOCK,
+                num_warps=SR_WARPS,
+            )
 
     def _key_templates(self, rows: list[int], names: Sequence[str], seed: int, mode: str) -> KeyTemplates:
         cache = self.__dict__.setdefault("_eager_templates", {})
@@ -377,22 +455,40 @@ class SRLaunch:
             self.device = x.device
             signature = ("sr", SR_BLOCK, x.device, False, (x.data_ptr(),), (out.data_ptr(),), (x.numel(),), (offset,))
             fields = ([x.data_ptr()], [out.data_ptr()], [x.numel()], [offset])
-            self.groups = [(False, [i], TABLES.table(signature, lambda: _make_table(fields, fields[2], fields[3],
-                                                                                   SR_BLOCK, False, x.device)))]
+            self.groups = [
+                (
+                    False,
+                    [i],
+                    TABLES.table(
+                        signature, lambda: _make_table(fields, fields[2], fields[3], SR_BLOCK, False, x.device)
+                    ),
+                )
+            ]
             self.single = None
         templates = getattr(self, "_templates", None)
         if templates is None:
-            templates = self._templates = [KeyTemplates([names[r] for r in rows], step.seed, step.mode, self.device)
-                                           for _, rows, _ in self.groups]
+            templates = self._templates = [
+                KeyTemplates([names[r] for r in rows], step.seed, step.mode, self.device) for _, rows, _ in self.groups
+            ]
         for (aligned, rows, table), tmpl in zip(self.groups, templates):
             keys = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             tmpl.run(step.counter, keys)
-            launcher(tk.sr_many_kernel)(table.grid, table.meta, table.bmap, keys, table.count, KEYED=True,
-                                        ALIGNED=aligned, BLOCK=SR_BLOCK, num_warps=SR_WARPS)
+            launcher(tk.sr_many_kernel)(
+                table.grid,
+                table.meta,
+                table.bmap,
+                keys,
+                table.count,
+                KEYED=True,
+                ALIGNED=aligned,
+                BLOCK=SR_BLOCK,
+                num_warps=SR_WARPS,
+            )
 
 
-def round_many(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], keys: np.ndarray | None,
-               offsets: Sequence[int]) -> None:
+def round_many(
+    xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], keys: np.ndarray | None, offsets: Sequence[int]
+) -> None:
     """Flat FP32 tensors into flat BF16 tensors, one launch for all (two if some are misaligned).
 
     ``keys``: int64 array of stream keys (one per tensor), or None for round-to-nearest-even.
@@ -406,6 +502,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # ---- fused AdamW ----------------------------------------------------------------------------------
 
+
 class AdamWLaunch:
     """Fused AdamW over a fixed list of flat tensors (see ``triton_kernels.adamw_many_kernel``):
     the tables are built here; a step uploads its keys, gradient addresses and constants in one
@@ -416,8 +513,18 @@ class AdamWLaunch:
     ``offsets``: each piece's global index.
     """
 
-    def __init__(self, params, exp_avgs, exp_avg_sqs, outs, offsets, *, pure: bool, moment_bf16: bool,
-                 names: Sequence[Sequence[str]] | None = None):
+    def __init__(
+        self,
+        params,
+        exp_avgs,
+        exp_avg_sqs,
+        outs,
+        offsets,
+        *,
+        pure: bool,
+        moment_bf16: bool,
+        names: Sequence[Sequence[str]] | None = None,
+    ):
         self.pure, self.moment_bf16 = pure, moment_bf16
         self.names = names  # [param names, exp_avg names, exp_avg_sq names], for keys derived on the device
         self._templates: dict = {}
@@ -430,8 +537,13 @@ class AdamWLaunch:
         self.g0 = [offsets[i] for i in self.live]
         self._tables: dict[tuple[bool, tuple[int, ...]], TensorTable] = {}
         # which pieces may take the 16-byte path, gradients aside (checked per step)
-        self._static_aligned = np.asarray([self.g0[k] % 4 == 0 and all(a[k] % ALIGN_BYTES == 0 for a in self.addresses)
-                                           for k in range(len(self.live))], dtype=bool)
+        self._static_aligned = np.asarray(
+            [
+                self.g0[k] % 4 == 0 and all(a[k] % ALIGN_BYTES == 0 for a in self.addresses)
+                for k in range(len(self.live))
+            ],
+            dtype=bool,
+        )
         self._everything, self._live = tuple(range(len(self.live))), tuple(self.live)  # hashed per step: no copies
 
     def _table(self, aligned: bool, idx: list[int]) -> TensorTable:
@@ -443,9 +555,18 @@ class AdamWLaunch:
             self._tables[key] = table
         return table
 
-    def __call__(self, grads: Sequence[torch.Tensor], keys: np.ndarray | None, slots: Sequence[int],
-                 consts: np.ndarray, scale: torch.Tensor, device_step: DeviceStep | None = None,
-                 hyper: np.ndarray | None = None, key_step: KeyStep | None = None, dtypes: set | None = None) -> None:
+    def __call__(
+        self,
+        grads: Sequence[torch.Tensor],
+        keys: np.ndarray | None,
+        slots: Sequence[int],
+        consts: np.ndarray,
+        scale: torch.Tensor,
+        device_step: DeviceStep | None = None,
+        hyper: np.ndarray | None = None,
+        key_step: KeyStep | None = None,
+        dtypes: set | None = None,
+    ) -> None:
         """``grads``: one per tensor given at construction (contiguous, float32 or bfloat16, the
         tensor's numel and device: ``fused.AdamWPlan`` checks them); ``keys``: int64 ``[3, T]``
         (param, exp_avg, exp_avg_sq keys) or None for nearest; ``slots``: each tensor's row of
@@ -477,8 +598,11 @@ class AdamWLaunch:
             groups = [(True, torch.bfloat16 in dtypes, None)]
         else:
             bf16 = np.asarray([g.dtype == torch.bfloat16 for g in grads])
-            groups = [(aligned, grad_bf16, np.flatnonzero((ok == aligned) & (bf16 == grad_bf16)).tolist())
-                      for aligned in (True, False) for grad_bf16 in (True, False)]
+            groups = [
+                (aligned, grad_bf16, np.flatnonzero((ok == aligned) & (bf16 == grad_bf16)).tolist())
+                for aligned in (True, False)
+                for grad_bf16 in (True, False)
+            ]
         for aligned, grad_bf16, sel in groups:
             if sel is None:  # every tensor
                 sel, rows, t = self._everything, self._live, len(live)
@@ -491,32 +615,57 @@ class AdamWLaunch:
             table = self._table(aligned, sel)
             if device_step is not None:
                 hyper64 = np.ascontiguousarray(hyper, dtype=np.float64).reshape(-1, 5)
-                step = self._static_upload((aligned, grad_bf16),
-                                           np.concatenate([step_rows, hyper64.view(np.int64).reshape(-1)]))
+                step = self._static_upload(
+                    (aligned, grad_bf16), np.concatenate([step_rows, hyper64.view(np.int64).reshape(-1)])
+                )
                 key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
                 const_dev = torch.empty(hyper64.shape[0] * 8, dtype=torch.float32, device=self.device)
                 self._templates_for(aligned, rows, device_step).run(
-                    device_step.counter, key_dev, step[2 * t:].view(torch.float64), const_dev, hyper64.shape[0])
+                    device_step.counter, key_dev, step[2 * t :].view(torch.float64), const_dev, hyper64.shape[0]
+                )
                 keyed = True
             elif key_step is not None:
-                step = upload(np.concatenate([np.asarray([key_step.counter()], np.int64), step_rows,
-                                              consts.view(np.int64).reshape(-1)]), self.device)
+                step = upload(
+                    np.concatenate(
+                        [np.asarray([key_step.counter()], np.int64), step_rows, consts.view(np.int64).reshape(-1)]
+                    ),
+                    self.device,
+                )
                 lanes = 3 if self.moment_bf16 else 1  # FP32 moments are not rounded: the parameters' keys only
                 key_dev = torch.empty(3 * t, dtype=torch.int64, device=self.device)
                 self._templates_for(aligned, rows, DeviceStep(step, key_step.seed, key_step.mode), lanes).run(
-                    step[:1], key_dev)
+                    step[:1], key_dev
+                )
                 step = step[1:]
-                const_dev = step[2 * t:].view(torch.float32)
+                const_dev = step[2 * t :].view(torch.float32)
             else:
                 key_rows = keys[:, rows] if keyed else np.zeros((3, t), dtype=np.int64)
-                step = upload(np.concatenate([key_rows.astype(np.int64).reshape(-1), step_rows,
-                                              consts.view(np.int64).reshape(-1)]), self.device)
-                key_dev, step = step[:3 * t], step[3 * t:]
-                const_dev = step[2 * t:].view(torch.float32)
+                step = upload(
+                    np.concatenate(
+                        [key_rows.astype(np.int64).reshape(-1), step_rows, consts.view(np.int64).reshape(-1)]
+                    ),
+                    self.device,
+                )
+                key_dev, step = step[: 3 * t], step[3 * t :]
+                const_dev = step[2 * t :].view(torch.float32)
             launcher(tk.adamw_many_kernel)(
-                table.grid, table.meta, table.bmap, key_dev, step[:2 * t], const_dev, scale, table.count, KEYED=keyed,
-                ALIGNED=aligned, GRAD_BF16=grad_bf16, PURE=self.pure, MOMENT_BF16=self.moment_bf16, BLOCK=ADAMW_BLOCK,
-                num_warps=ADAMW_WARPS, **_fp_options())
+                table.grid,
+                table.meta,
+                table.bmap,
+                key_dev,
+                step[: 2 * t],
+                const_dev,
+                scale,
+                table.count,
+                KEYED=keyed,
+                ALIGNED=aligned,
+                GRAD_BF16=grad_bf16,
+                PURE=self.pure,
+                MOMENT_BF16=self.moment_bf16,
+                BLOCK=ADAMW_BLOCK,
+                num_warps=ADAMW_WARPS,
+                **_fp_options(),
+            )
 
     def _static_upload(self, group, array: np.ndarray) -> torch.Tensor:
         """The device copy of a capturable step's data (gradient addresses, slots, hyper-parameters),
@@ -554,6 +703,7 @@ def scale_tensor(value: float, device: torch.device) -> torch.Tensor:
 
 # ---- the host side alone, on a machine without a GPU ---------------------------------------------
 
+
 @dataclass
 class DryRun:
     """What ``dry_run`` recorded: each launch as (kernel name, grid, arguments), ``jit`` the ones
@@ -582,7 +732,7 @@ class _DryJIT:
 
     def __getitem__(self, grid):
         def launch(*args, num_warps=None, **kw):
-            full = args + tuple(kw[n] for n in self.arg_names[len(args):] if n in kw)  # as a direct launch lists them
+            full = args + tuple(kw[n] for n in self.arg_names[len(args) :] if n in kw)  # as a direct launch lists them
             self.record.launches.append((self.name, grid[0], full))
             self.record.jit.append(self.name)
             return _DryKernel(self.name, self.record)
@@ -614,9 +764,12 @@ def dry_run() -> Iterator[DryRun]:
         for m, fns in kernels.items():
             for n, fn in fns.items():
                 setattr(m, n, _DryJIT(fn, record))
-        g.update(interpreting=lambda: False, check_device=lambda tensors: tensors[0].device,
-                 current_device=lambda: -1,  # a CPU tensor's get_device()
-                 raw_stream=lambda device: 0)
+        g.update(
+            interpreting=lambda: False,
+            check_device=lambda tensors: tensors[0].device,
+            current_device=lambda: -1,  # a CPU tensor's get_device()
+            raw_stream=lambda device: 0,
+        )
         yield record
     finally:
         for m, fns in kernels.items():
