@@ -266,7 +266,7 @@ def _encode_reference(a: torch.Tensor, b: torch.Tensor, force: int) -> Delta:
     if force == 1 or (force < 0 and k < bitmap_bytes):
         gaps = _varints(idx - torch.cat([idx.new_full((1,), -1), idx[:-1]]) - 1)
     use_gaps = force == 1 or (force < 0 and gaps is not None and gaps.numel() < bitmap_bytes)
-    positions = gaps if use_gaps else _packbits(changed)
+    positions = gaps if use_gaps and gaps is not None else _packbits(changed)  # gaps exist when used
     esc = torch.nonzero(escape).reshape(-1)
     rest = step[esc].to(torch.int64) - torch.sign(step[esc]).to(torch.int64)
     pairs = torch.stack(

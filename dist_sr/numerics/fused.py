@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import Sequence
+from types import EllipsisType
+from typing import Sequence, cast
 
 import numpy as np
 import torch
@@ -135,7 +136,7 @@ class AdamWPlan:
         mode: str = "stochastic",
         grad_scale: torch.Tensor | None = None,
         device_step=None,
-        live: np.ndarray | None = ...,
+        live: np.ndarray | Sequence[int] | None | EllipsisType = ...,
     ) -> None:
         """One step. ``grads[i]``: piece ``i``'s gradient (BF16 or FP32, its numel; None skips
         the piece). ``hypers[slots[i]]`` is piece ``i``'s AdamW setting (``slots`` defaults to
@@ -161,11 +162,11 @@ class AdamWPlan:
             live = live_pieces(grads)
         self.grad_dtypes = None  # the dtypes of the step's gradients, when every piece steps
         if live is None:
-            grads = self._check_grads(grads)
+            grads = self._check_grads(cast(Sequence[torch.Tensor], grads))
             by_backend = self._all_by_backend
         else:
             live = [int(i) for i in live]
-            checked = self._check_grads([grads[i] for i in live], live)
+            checked = self._check_grads([cast(torch.Tensor, grads[i]) for i in live], live)
             grads = list(grads)
             for i, g in zip(live, checked):
                 grads[i] = g
@@ -192,7 +193,7 @@ class AdamWPlan:
                 keys = self.keys(seed, step, mode)
             backend.adamw_step(self, idx, grads, hypers, slots, keys, grad_scale)
 
-    def _check_grads(self, grads: Sequence[torch.Tensor], idx: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def _check_grads(self, grads: Sequence[torch.Tensor], idx: Sequence[int] | None = None) -> Sequence[torch.Tensor]:
         """``grads`` (those of pieces ``idx``, None for all), each a float32 or bfloat16 tensor of
         its piece's numel on its piece's device, as contiguous tensors (a non-contiguous one is
         copied). One C-level pass per property; a per-piece loop only to name an offender. The
@@ -252,7 +253,7 @@ def _validate(pc: AdamWPiece) -> None:
         )
     if not pure and pc.p.dtype != torch.float32:
         raise TypeError(f"fused AdamW: shadow of {pc.param!r} must be float32, got {pc.p.dtype}")
-    if not pure and (pc.out.dtype != torch.bfloat16 or pc.out.numel() != n):
+    if pc.out is not None and (pc.out.dtype != torch.bfloat16 or pc.out.numel() != n):  # not pure
         raise TypeError(f"fused AdamW: out of {pc.param!r} must be bfloat16 with the shadow's numel")
     moment_dtypes = (torch.float32, torch.bfloat16) if pure else (torch.float32,)
     for name, t in (("exp_avg", pc.exp_avg), ("exp_avg_sq", pc.exp_avg_sq)):
@@ -263,8 +264,8 @@ def _validate(pc: AdamWPiece) -> None:
             )
     if pc.exp_avg.dtype != pc.exp_avg_sq.dtype:
         raise TypeError(f"fused AdamW: the moments of {pc.param!r} must share a dtype")
-    for name, t in (("parameter", pc.p), ("exp_avg", pc.exp_avg), ("exp_avg_sq", pc.exp_avg_sq), ("out", pc.out)):
-        if t is not None and (not t.is_contiguous() or t.device != pc.p.device):
+    for name, u in (("parameter", pc.p), ("exp_avg", pc.exp_avg), ("exp_avg_sq", pc.exp_avg_sq), ("out", pc.out)):
+        if u is not None and (not u.is_contiguous() or u.device != pc.p.device):
             raise TypeError(f"fused AdamW: {name} of {pc.param!r} must be contiguous and on {pc.p.device}")
     if not isinstance(pc.offset, int) or isinstance(pc.offset, bool) or pc.offset < 0:
         raise ValueError(f"fused AdamW: offset of {pc.param!r} must be a non-negative int, got {pc.offset!r}")

@@ -77,7 +77,7 @@ def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | N
         )
     mesh_dim, placement = shards[0]
     world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
-    dim, shape = placement.dim, tuple(p.shape)
+    dim, shape = placement.dim, tuple(p.shape)  # type: ignore[attr-defined]  # a Shard placement
     chunk, inner = chunking(shape, dim, world)
     offset = min(coord * chunk, shape[dim]) * inner
     if dim == 0 or math.prod(shape[:dim]) == 1:

@@ -34,6 +34,13 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
     The key's step is the optimizer step (1 for the first), as in ``ShadowOptimizer``.
     """
 
+    # what the plan was built on (checked by identity on the usual step)
+    _states: list[dict]
+    _tensors: list[torch.Tensor]
+    _plan_exp_avgs: list[torch.Tensor]
+    _plan_exp_avg_sqs: list[torch.Tensor]
+    _plan_addresses: list[int]
+
     def __init__(
         self,
         params: ParamsLike,
@@ -61,7 +68,7 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
         self.moment_dtype = MOMENT_DTYPES[moment_dtype]
         self._counter = StepCounter()
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._plan = None
+        self._plan: AdamWPlan | None = None
         self._sharded = any(is_dtensor(p) for group in self.param_groups for p in group["params"])
         if capturable:
             devices = {p.device for group in self.param_groups for p in group["params"]}

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from ..numerics.adamw import AdamWHyper, distinct_rows
 from ..numerics.fused import live_pieces
+
+if TYPE_CHECKING:
+    from ..numerics.fused import AdamWPlan
+    from .counter import StepCounter
 
 
 def hyper_slots(
@@ -23,7 +27,7 @@ def hyper_slots(
     hypers = []
     for gi, step in pairs.tolist():
         group = groups[gi]
-        hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], step))
+        hypers.append(AdamWHyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"], step))  # type: ignore[call-arg]  # betas: a pair
     if live is None:
         return rows, hypers
     slots = np.zeros(len(steps), dtype=np.int64)
@@ -42,6 +46,20 @@ class FusedAdamWSteps:
 
     _grad_scale: torch.Tensor | None = None
 
+    if TYPE_CHECKING:  # what the optimizer provides (above)
+        _counter: StepCounter
+        seed: int
+        mode: str
+        step_count: int
+        _group_of: np.ndarray
+
+        @property
+        def _fused_groups(self) -> list[dict]: ...
+
+        def _ensure_plan(self) -> AdamWPlan: ...
+        def _grads(self) -> list[torch.Tensor | None]: ...
+        def _advance_adam_steps(self, live: np.ndarray | None) -> np.ndarray: ...
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -59,7 +77,7 @@ class FusedAdamWSteps:
                 raise ValueError(
                     f"{type(self).__name__}(capturable=True) steps every parameter; no gradient for {missing[:3]}"
                 )
-            hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in groups]
+            hypers = [AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], 1) for g in groups]  # type: ignore[call-arg]
             plan.step_(
                 grads,
                 hypers,

@@ -54,7 +54,7 @@ class StickingMeter:
         """Metrics for the step since the last call (call once after each optimizer step)."""
         changed = total = small = moved = 0
         if self.shadows is not None:
-            full = list(zip(self._s_prev, self.shadows))
+            full = list(zip(self._s_prev, self.shadows))  # type: ignore[arg-type]  # set with shadows
         elif self.working and all(w.dtype == torch.float32 for w in self.working):
             full = list(zip(self._prev, self.working))
         else:
@@ -75,7 +75,7 @@ class StickingMeter:
         }
         if self.shadows is not None:
             dot = norm2 = 0.0
-            for w0, s0, w, s in zip(self._w0, self._s0, self.working, self.shadows):
+            for w0, s0, w, s in zip(self._w0, self._s0, self.working, self.shadows):  # type: ignore[arg-type]
                 ds = (s - s0).double()
                 dot += float((ds * (w.double() - w0.double())).sum())
                 norm2 += float((ds * ds).sum())

@@ -25,7 +25,9 @@ def named_param_groups(params: ParamsLike) -> list[dict[str, Any]]:
     if not items:
         raise ValueError("optimizer got an empty parameter list")
     groups = items if isinstance(items[0], dict) else [{"params": items}]
-    out, seen, keys = [], set(), {}
+    out: list[dict] = []
+    seen: set[int] = set()
+    keys: dict = {}
     for group in groups:
         if not isinstance(group, dict):
             raise TypeError("mix of parameter groups (dicts) and named parameters; pass one kind")

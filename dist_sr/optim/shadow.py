@@ -50,6 +50,8 @@ class ShadowOptimizer(CountsSteps, torch.optim.Optimizer):
     the k-th optimizer step. At all times ``working == round(shadow, step=self.step_count)``.
     """
 
+    _found_inf: Any  # set with _grads_in_shadows (an FP32 flag tensor or bool)
+
     def __init__(
         self,
         params: ParamsLike,
@@ -335,6 +337,9 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
     step never waits for the GPU.
     """
 
+    _plan_states: list[Any]  # the optimizer states the plan was built on (checked by identity)
+    _plan_moments: list[list[Any]]  # their exp_avg, exp_avg_sq and step tensors
+
     def __init__(
         self,
         params,
@@ -397,7 +402,7 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
         state = self.inner.state
         capturable = self._counter.capturable
         if self._plan is not None:  # the usual step: same moments, same working storage (C-level passes)
-            states = list(map(state.get, self._shadows))
+            states: list[Any] = list(map(state.get, self._shadows))
             same = (
                 all(map(is_, states, self._plan_states))
                 and all(map(is_, map(_EXP_AVG, states), self._plan_moments[0]))

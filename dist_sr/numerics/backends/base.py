@@ -69,7 +69,7 @@ class Backend(Protocol):
         ``shaped``."""
 
     def round_batch(
-        self, batch: Any, idx: Sequence[int], keys: np.ndarray | None, device_step: DeviceStep | None = None
+        self, batch: Any, idx: Sequence[int], keys: np.ndarray | KeyStep | None, device_step: DeviceStep | None = None
     ) -> None:
         """Pieces ``idx`` of a ``rounding.RoundingBatch`` (its ``xs``, ``outs``, ``offsets``,
         ``rows``, ``names``; ``launches`` is the backend's cache on the batch). ``keys``: one per
@@ -80,10 +80,10 @@ class Backend(Protocol):
         self,
         plan: Any,
         idx: Sequence[int],
-        grads: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
         hypers: Sequence[Any],
-        slots: Sequence[int],
-        keys: np.ndarray | None,
+        slots: Sequence[int] | np.ndarray,
+        keys: np.ndarray | KeyStep | None,
         grad_scale: torch.Tensor | None,
         device_step: DeviceStep | None = None,
     ) -> None:

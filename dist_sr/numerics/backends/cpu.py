@@ -161,7 +161,8 @@ def _if_loaded(build) -> ModuleType | None:
 class CPUBackend:
     """Rounds CPU tensors with the compiled kernel: one OpenMP pass, one hash per 4 elements."""
 
-    name, device_keys, auto_devices, shaped = "cpu", False, ("cpu",), False  # see numerics.backends.Backend
+    name, device_keys, shaped = "cpu", False, False  # see numerics.backends.Backend
+    auto_devices: tuple[str, ...] = ("cpu",)
 
     def unavailable(self) -> str | None:
         try:

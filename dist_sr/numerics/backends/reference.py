@@ -10,7 +10,8 @@ from .. import reference
 class ReferenceBackend:
     """The definition, in torch ops: slow, any device, the bits every backend is tested against."""
 
-    name, device_keys, auto_devices, shaped = "reference", False, (), False  # see numerics.backends.Backend
+    name, device_keys, shaped = "reference", False, False  # see numerics.backends.Backend
+    auto_devices: tuple[str, ...] = ()
 
     def unavailable(self) -> str | None:
         return None

@@ -29,7 +29,8 @@ _LAUNCH = None
 class TritonBackend:
     """Rounds CUDA tensors with Triton kernels: every piece of a call in one launch."""
 
-    name, device_keys, auto_devices, shaped = "triton", True, ("cuda",), True  # see numerics.backends.Backend
+    name, device_keys, shaped = "triton", True, True  # see numerics.backends.Backend
+    auto_devices: tuple[str, ...] = ("cuda",)
 
     def unavailable(self) -> str | None:
         try:
