@@ -104,13 +104,14 @@ def test_every_bf16_element_is_the_keyed_rounding_of_the_full_master(layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_world_sizes_1_2_4_give_identical_weights_after_the_first_step(layout, tmp_path):
-    # after one step from the same weights and data; later steps may differ in the last bits of
-    # the FP32 master because DeepSpeed's reductions change order with the world size
-    for world_size in (1, 2, 4):
+def test_world_sizes_1_and_4_give_identical_weights_after_the_first_step(layout, tmp_path):
+    # unpartitioned and the widest partitioning here (world 2 is the test above); after one step
+    # from the same weights and data: later steps may differ in the last bits of the FP32 master
+    # because DeepSpeed's reductions change order with the world size
+    for world_size in (1, 4):
         run_workers(_keyed_worker, world_size, layout, 1, tmp_path)
-    digests = [json.loads((tmp_path / f"{layout}-world{w}.json").read_text()) for w in (1, 2, 4)]
-    assert digests[0] == digests[1] == digests[2]
+    digests = [json.loads((tmp_path / f"{layout}-world{w}.json").read_text()) for w in (1, 4)]
+    assert digests[0] == digests[1]
 
 
 def _save_worker(rank, world_size, layout, path):
@@ -132,7 +133,8 @@ def _load_worker(rank, world_size, layout, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["zero0", "zero1", "zero1-bf16-optimizer", "zero2", "zero2-cpu-offload", "zero3"])
+# one layout per optimizer class and offload path (ZeRO 1 reloads through the ZeRO 2 optimizer)
+@pytest.mark.parametrize("layout", ["zero0", "zero1-bf16-optimizer", "zero2", "zero2-cpu-offload", "zero3"])
 def test_checkpoint_reload_re_derives_identical_bits(layout, tmp_path):
     run_workers(_save_worker, 2, layout, tmp_path)
     run_workers(_load_worker, 2, layout, tmp_path)

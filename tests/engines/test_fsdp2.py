@@ -106,19 +106,20 @@ def _bits_worker(rank, world_size, out_dir, replicate=1):
     assert all(g == digests for g in gathered)  # every rank holds identical working bits
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])  # 1 and 4: the next test (the same worker)
 def test_working_weights_are_the_keyed_rounding_of_the_full_master(world_size, tmp_path):
     run_workers(_bits_worker, world_size, tmp_path)
 
 
-def test_world_sizes_1_2_4_give_identical_bf16_weights(tmp_path):
+def test_world_sizes_1_and_4_give_identical_bf16_weights(tmp_path):
     # every rank trains on the same batch, so the FP32 reductions are exact and the masters, hence
     # the keyed BF16 bits, are identical at every step; with different per-rank data the FP32
-    # summation order changes with the world size and later masters may differ in their last bits
-    for world_size in (1, 2, 4):
+    # summation order changes with the world size and later masters may differ in their last bits.
+    # Unsharded against the widest sharding here (world 2: the test above, keyed element by element)
+    for world_size in (1, 4):
         run_workers(_bits_worker, world_size, tmp_path)
-    results = {w: json.loads((tmp_path / f"world{w}.json").read_text()) for w in (1, 2, 4)}
-    assert results[1] == results[2] == results[4]
+    results = {w: json.loads((tmp_path / f"world{w}.json").read_text()) for w in (1, 4)}
+    assert results[1] == results[4]
 
 
 def _save_worker(rank, world_size, path):
@@ -234,7 +235,9 @@ def test_pure_bf16_adamw_sr_sharded_equals_unsharded_at_world_sizes_1_2_4_and_hs
     from dist_sr.optim import AdamWSR
 
     precision = {"precision": "bf16-pure-sr", "seed": SEED, "moment_dtype": moment_dtype}
-    runs = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, replicate): the last is HSDP 2 x 2
+    # (world, replicate): the last is HSDP 2 x 2. FP32 moments are not rounded, so their sharding
+    # only matters for the weights': the two widest layouts; BF16 moments are keyed by shard offset
+    runs = [(1, 1), (2, 1), (4, 1), (4, 2)] if moment_dtype == "bf16" else [(4, 1), (4, 2)]
     for world_size, replicate in runs:
         run_workers(_pure_worker, world_size, precision, tmp_path, replicate)
     model = tiny_qwen2()

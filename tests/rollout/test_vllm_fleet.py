@@ -65,6 +65,7 @@ def test_synced_engines_generate_exactly_like_a_fresh_load_of_the_same_weights(f
     root, model_dir, engines = fleet
     a, b = engines["a"], engines["b"]
     model = _trainer_model(model_dir, seed=1)
+    before = complete(a.url, PROMPTS)  # other weights than the trainer's (the start checkpoint's)
     ws = _sync(model, [a.url, b.url])
     result = ws.sync(1)
     assert sorted(result.ready) == sorted([a.url, b.url]) and result.attempts == 1
@@ -81,11 +82,7 @@ def test_synced_engines_generate_exactly_like_a_fresh_load_of_the_same_weights(f
     finally:
         fresh.stop()
     assert complete(a.url, PROMPTS) == expected  # token ids and logprobs, bitwise
-    stale = EngineProcess(model_dir, tp=1, log_dir=tmp_path, name="stale").wait_ready()
-    try:
-        assert complete(stale.url, PROMPTS) != expected  # the comparison can tell weights apart
-    finally:
-        stale.stop()
+    assert before != expected  # the comparison can tell weights apart
     # TP=2 shards the same full tensors: its report matches the trainer's digest too, and greedy
     # tokens agree with TP=1 here.
     assert [t for t, _ in complete(b.url, PROMPTS)] == [t for t, _ in expected]
