@@ -1,5 +1,7 @@
 """Run a function on N real processes joined by a gloo process group."""
 
+import importlib.util
+import multiprocessing.forkserver
 import os
 import sys
 import traceback
@@ -13,6 +15,32 @@ import torch.multiprocessing as mp
 from dist_sr.net import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Workers fork from a server process that imported the heavy third-party modules once per test
+# session (each spawned worker paid ~5 s importing them: every rank of every multi-process test).
+# The server starts at the first run_workers call, from the environment as it was when this module
+# was imported (so a test's monkeypatched variables never leak into its imports), with DeepSpeed on
+# the CPU; each worker then takes its test's environment as it is at the call.
+_PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.qwen2.modeling_qwen2", "deepspeed")
+_SESSION_ENV = dict(os.environ)
+_server_started = False
+
+
+def _context():
+    global _server_started
+    ctx = mp.get_context("forkserver")
+    if not _server_started:
+        ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m.split(".")[0]) is not None])
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_SESSION_ENV, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server_started = True
+    return ctx
 
 
 def launcher_env() -> dict:
@@ -28,7 +56,9 @@ def launcher_env() -> dict:
     return env
 
 
-def _entry(rank, world_size, port, fn, args, errors):
+def _entry(rank, world_size, port, fn, args, errors, env):
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -57,14 +87,19 @@ def _entry(rank, world_size, port, fn, args, errors):
 
 
 def run_workers(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; re-raise failures."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (forked from the
+    preloaded server, with this process's environment); re-raise failures."""
+    ctx = _context()
     crash = None
     errors = ctx.SimpleQueue()
     port = free_port()
     try:
         mp.start_processes(
-            _entry, args=(world_size, port, fn, args, errors), nprocs=world_size, start_method="spawn", join=True
+            _entry,
+            args=(world_size, port, fn, args, errors, dict(os.environ)),
+            nprocs=world_size,
+            start_method="forkserver",
+            join=True,
         )
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         crash = exc
