@@ -59,9 +59,7 @@ def _worker(rank, world, port, args, targets, out):
         from transformers import AutoModelForCausalLM
 
         from dist_sr.numerics.backends import cpu as cpu_kernel
-        from dist_sr.rollout.vllm.control import controls
         from dist_sr.sources import ReplicatedSource
-        from dist_sr.weightsync.sync import WeightSync
 
         cpu_kernel.load()  # loaded, as in a trainer that rounds on the CPU: its digests take the C++ pass
 
@@ -96,15 +94,7 @@ def _worker(rank, world, port, args, targets, out):
         dist.barrier()
         if rank < trainers:
             for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
-                ws = WeightSync(
-                    source,
-                    controls([url], 300),
-                    transport=transport,
-                    bucket_mb=size / 2**20,
-                    timeout_s=300,
-                    group_port=args.group_port + syncs,
-                    trainer_group=trainer_group,
-                )
+                ws = _weight_sync(source, url, transport, size, args.group_port + syncs, trainer_group)
                 syncs += 1
                 ws.sync(0, verify=False)  # warm-up: connect, first reload
                 for verify in (False, True):
@@ -133,16 +123,7 @@ def _worker(rank, world, port, args, targets, out):
         for (target, url), transport in [(t, tr) for t in targets.items() for tr in ("broadcast", "shard-direct")]:
             for rate in args.delta_rates:
                 for delta in (False, True):
-                    ws = WeightSync(
-                        source,
-                        controls([url], 300),
-                        transport=transport,
-                        bucket_mb=size / 2**20,
-                        timeout_s=300,
-                        group_port=args.group_port + syncs,
-                        trainer_group=trainer_group,
-                        delta=delta,
-                    )
+                    ws = _weight_sync(source, url, transport, size, args.group_port + syncs, trainer_group, delta)
                     syncs += 1
                     ws.sync(0)  # dense: the engine's base
                     times, sent = [], []
@@ -175,6 +156,23 @@ def _worker(rank, world, port, args, targets, out):
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _weight_sync(source, url, transport, size, port, trainer_group, delta=False):
+    """One trainer's WeightSync to one target, as every row measures it (300 s timeouts)."""
+    from dist_sr.rollout.vllm.control import controls
+    from dist_sr.weightsync.sync import WeightSync
+
+    return WeightSync(
+        source,
+        controls([url], 300),
+        transport=transport,
+        bucket_mb=size / 2**20,
+        timeout_s=300,
+        group_port=port,
+        trainer_group=trainer_group,
+        delta=delta,
+    )
 
 
 def _grid_steps(model, rate: float, seed: int) -> None:
