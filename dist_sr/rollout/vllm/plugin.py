@@ -214,9 +214,25 @@ class DistSRUpdateInfo(_update_info_base()):
 def plan_budget(model, shards: int = 1) -> int:
     """The most bytes a plan may carry for a worker holding ``model``, one of ``shards`` (TP x PP)
     parts: the whole model's parameters and buffers, twice (room for tied weights sent twice and
-    for BF16 plans to an engine that loaded another dtype), plus 1 MiB."""
+    for BF16 plans to an engine that loaded another dtype), plus 1 MiB. A linear layer whose
+    weight vLLM's CPU backend repacked (an empty parameter left behind) counts at its full size."""
     local = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    local += sum(_repacked_weight_bytes(m) for m in model.modules())
     return 2 * shards * local + 2**20
+
+
+def _repacked_weight_bytes(module) -> int:
+    """The bytes of a linear layer's weight that vLLM's CPU backend moved into a packed GEMM
+    handle (``dispatch_cpu_unquantized_gemm(remove_weight=True)`` leaves an empty parameter), from
+    the layer's own sizes; 0 for any other module."""
+    w = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    if w is None or w.numel() != 0:
+        return 0
+    rows = getattr(module, "output_size_per_partition", None) or getattr(module, "output_size", None)
+    cols = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+    if not rows or not cols:
+        return 0
+    return int(rows) * int(cols) * w.element_size()
 
 
 def _engine_base():
