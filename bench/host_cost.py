@@ -8,11 +8,11 @@ the host, so the host's microseconds per call are what a small ``stochastic_roun
 what a single synchronised call adds to a large one. Both modes time calls back to back (no
 synchronisation between them) on tensors small enough that the device is never the limit.
 
-- CPU (``--device cpu``, the default): ``launch.dry_run()`` runs every line of the launch path on
-  CPU tensors with the device launch itself replaced by a recording no-op: what remains is our
-  Python, which is what this measures (Triton's C launcher and the driver call come on top on a
-  GPU, as they do for every Triton kernel). torch's rows are its real CPU operators on one
-  element, as a yardstick for one operator's dispatch on this machine.
+- CPU (``--device cpu``, the default): ``dry_run()`` (``numerics/backends/triton/dry_run.py``)
+  runs every line of the launch path on CPU tensors with the device launch itself replaced by a
+  recording no-op: what remains is our Python, which is what this measures (Triton's C launcher
+  and the driver call come on top on a GPU, as they do for every Triton kernel). torch's rows are
+  its real CPU operators on one element, as a yardstick for one operator's dispatch on this machine.
 - CUDA: everything real; the rows are comparable directly (ours vs ``out.copy_(x)`` and
   ``x.to(torch.bfloat16)``, the RTN cast a user would otherwise write).
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.optimizer_step import qwen05b_shapes, scaled  # noqa: E402
 from dist_sr import AdamWSR, ShadowAdamW  # noqa: E402
 from dist_sr.numerics import RoundingBatch, RoundingJob, stochastic_round  # noqa: E402
-from dist_sr.numerics.backends.triton import launch  # noqa: E402
+from dist_sr.numerics.backends.triton.dry_run import dry_run  # noqa: E402
 
 
 def per_call_us(fn, calls: int, device: str, repeats: int = 5) -> float:
@@ -147,7 +147,7 @@ def main() -> None:
         ctx = None
     else:
         what = f"CPU, {torch.get_num_threads()} threads: launch path dry-run (device launch recorded, not run)"
-        ctx = launch.dry_run()
+        ctx = dry_run()
     print(f"# dist-sr host work per call: {what}; torch {torch.__version__}\n")
     if ctx is not None:
         ctx.__enter__()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_sr.numerics.backends.triton import kernels as tk  # noqa: E402
 from dist_sr.numerics.backends.triton import keys as triton_keys  # noqa: E402
-from dist_sr.numerics.backends.triton.launch import ADAMW_BLOCK, ADAMW_WARPS, FP_OPTIONS, SR_BLOCK, SR_WARPS  # noqa: E402
+from dist_sr.numerics.backends.triton.launcher import ADAMW_BLOCK, ADAMW_WARPS, FP_OPTIONS, SR_BLOCK, SR_WARPS  # noqa: E402
 from dist_sr.numerics.key import STEP_BYTE  # noqa: E402
 
 DIV16 = [["tt.divisibility", 16]]

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.optimizer_step import qwen05b_shapes  # noqa: E402
-from dist_sr.numerics.backends.triton import launch as tl_  # noqa: E402
+from dist_sr.numerics.backends.triton import launcher as la  # noqa: E402
+from dist_sr.numerics.backends.triton import sr_launch  # noqa: E402
 from dist_sr.numerics.fused import AdamWHyper, AdamWPiece, AdamWPlan  # noqa: E402
 from dist_sr.numerics.key import stream_keys  # noqa: E402
 
@@ -63,10 +64,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     best_sr = None
     for block, warps in ((2048, 8), (4096, 8), (8192, 16)):
-        tl_.SR_BLOCK, tl_.SR_WARPS = block, warps
-        one = kernel_ms(lambda: tl_.round_one(x28, o28, int(keys[0]), 0))
-        launch = tl_.SRLaunch(xs, outs, [0] * len(xs))
-        many = kernel_ms(lambda: launch(keys))
+        la.SR_BLOCK, la.SR_WARPS = block, warps
+        one = kernel_ms(lambda: sr_launch.round_one(x28, o28, int(keys[0]), 0))
+        launch = sr_launch.SRLaunch(xs, outs, [0] * len(xs))
+        many = kernel_ms(lambda: launch.with_keys(keys))
         pct_one, pct_many = 6 * n28 / one / 1e6 / bw, 6 * sum(ns) / many / 1e6 / bw
         print(f"| {block} x {warps} | {one:.3f} | {pct_one:.0%} | {many:.3f} | {pct_many:.0%} |")
         if best_sr is None or one + many < best_sr[0]:
@@ -86,7 +87,7 @@ def main() -> None:
     )
     best_adamw = None
     for block, warps in ((1024, 4), (2048, 8), (4096, 16)):
-        tl_.ADAMW_BLOCK, tl_.ADAMW_WARPS = block, warps
+        la.ADAMW_BLOCK, la.ADAMW_WARPS = block, warps
         plan = AdamWPlan([AdamWPiece(nm, s, mm, vv, o) for nm, s, mm, vv, o in zip(names, shadows, m, v, outs)])
         pure = AdamWPlan([AdamWPiece(nm, p, mm, vv) for nm, p, mm, vv in zip(names, params16, m16, v16)])
         ms = kernel_ms(lambda: plan.step_(grads, hyper, [0] * len(ns), seed=1, step=1))

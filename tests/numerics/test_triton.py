@@ -16,7 +16,9 @@ from dist_sr.numerics.reference import adamw_step as adamw_reference_
 from tests.conftest import bits16, f32_from_bits
 
 triton = pytest.importorskip("triton")
-from dist_sr.numerics.backends.triton import launch as tl_  # noqa: E402
+from dist_sr.numerics.backends.triton import dry_run, sr_launch, tables  # noqa: E402
+from dist_sr.numerics.backends.triton import kernels as tk  # noqa: E402
+from dist_sr.numerics.backends.triton import launcher as la  # noqa: E402
 
 DEVICES = [
     pytest.param(
@@ -68,7 +70,7 @@ def test_test_vectors_single_and_batched(vectors, device):
         x = f32_from_bits([int(b, 16) for b in case["x_bits"]]).to(device)
         out = torch.empty(x.numel(), dtype=torch.bfloat16, device=device)
         key = int(case["stream_key"], 16) if case["stream_key"] else None
-        tl_.round_one(x, out, None if key is None else key - ((key >> 63) << 64), case["offset"])
+        sr_launch.round_one(x, out, None if key is None else key - ((key >> 63) << 64), case["offset"])
         assert [f"{b:04x}" for b in bits16(out.cpu()).tolist()] == case["expected_bf16_bits"]
 
 
@@ -275,9 +277,9 @@ def test_the_host_table_does_not_grow_with_the_elements():
     for n in (10**3, 10**8):
         ns, g0 = [n] * count, [0] * count
         fields = [list(range(0, 16 * count, 16)), list(range(0, 16 * count, 16)), ns, g0]
-        meta, starts = tl_.table_arrays(fields, ns, g0, tl_.SR_BLOCK, aligned=True)
+        meta, starts = tables.table_arrays(fields, ns, g0, la.SR_BLOCK, aligned=True)
         shapes[n] = (meta.shape, starts.shape)
-        assert starts[-1] == count * -(-n // tl_.SR_BLOCK)  # the grid is a number, not a table
+        assert starts[-1] == count * -(-n // la.SR_BLOCK)  # the grid is a number, not a table
     assert shapes[10**3] == shapes[10**8] == ((4, count), (count + 1,))
 
 
@@ -298,7 +300,7 @@ def test_a_public_call_is_one_direct_launch_with_raw_addresses():
     # with raw addresses: no tensor operator at all when out is given, one allocation when not
     n = 1000
     x, out = torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
-    with tl_.dry_run() as record:
+    with dry_run.dry_run() as record:
         stochastic_round(x, seed=3, step=1, param="m.w", out=out, backend="triton")
         with _Ops() as given:
             stochastic_round(x, seed=3, step=2, param="m.w", out=out, backend="triton")
@@ -310,7 +312,7 @@ def test_a_public_call_is_one_direct_launch_with_raw_addresses():
     key = stream_key(seed=3, step=2, param="m.w")
     assert args2[:5] == (x.data_ptr(), out.data_ptr(), n, 0, key - ((key >> 63) << 64))
     assert args3[:2] == (x.data_ptr(), y.data_ptr()) and all(type(a) in (int, bool) for a in args2 + args3)
-    assert grid2 == grid3 == -(-n // tl_.SR_BLOCK)
+    assert grid2 == grid3 == -(-n // la.SR_BLOCK)
 
 
 @pytest.mark.parametrize("layout", ["misaligned offset", "misaligned address", "beyond 2^31"])
@@ -321,7 +323,7 @@ def test_each_specialization_compiles_once(layout):
     x, out = torch.randn(n + 1), torch.empty(n + 1, dtype=torch.bfloat16)
     offset = {"misaligned offset": 5, "misaligned address": 0, "beyond 2^31": 2**33 + 4}[layout]
     xs = x[1:] if layout == "misaligned address" else x[:n]
-    with tl_.dry_run() as record:
+    with dry_run.dry_run() as record:
         stochastic_round(x[:n], seed=1, step=1, param="w", out=out[:n], backend="triton")
         for step in (2, 3):
             stochastic_round(xs, seed=1, step=step, param="w", offset=offset, out=out[:n], backend="triton")
@@ -329,7 +331,7 @@ def test_each_specialization_compiles_once(layout):
     shift = offset % 4 if layout != "beyond 2^31" and layout != "misaligned address" else 0
     aligned = layout == "beyond 2^31"
     for _, grid, args in record.launches[1:]:
-        assert args[3] == offset and args[6] is aligned and grid == -(-(n + shift) // tl_.SR_BLOCK)
+        assert args[3] == offset and args[6] is aligned and grid == -(-(n + shift) // la.SR_BLOCK)
 
 
 def test_a_direct_launch_passes_the_arguments_the_jit_launch_passed():
@@ -340,30 +342,30 @@ def test_a_direct_launch_passes_the_arguments_the_jit_launch_passed():
     kw = dict(
         BLOCK=1024, MOMENT_BF16=True, PURE=False, GRAD_BF16=True, ALIGNED=True, KEYED=True
     )  # not in signature order
-    with tl_.dry_run() as record:
+    with dry_run.dry_run() as record:
         for _ in range(3):
-            tl_.launcher(tl_.tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **kw)
+            la.launcher(tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **kw)
     assert record.jit == ["adamw_many_kernel"] and len(record.launches) == 3
     (_, g0, jit_args), (_, g1, direct), (_, g2, again) = record.launches
     want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in jit_args)
     assert g0 == g1 == g2 == 7 and direct == again
     assert tuple(direct) == want == (*(x.data_ptr() for x in t), 290, True, True, True, False, True, 1024)
     # other constants are another specialization: compiled (through the JIT) before a direct launch
-    with tl_.dry_run() as record:
+    with dry_run.dry_run() as record:
         for keyed in (True, False, False):
-            tl_.launcher(tl_.tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **{**kw, "KEYED": keyed})
+            la.launcher(tk.adamw_many_kernel)(7, *t, 290, num_warps=4, **{**kw, "KEYED": keyed})
     assert record.jit == ["adamw_many_kernel"] * 2 and [a[-6] for _, _, a in record.launches] == [True, False, False]
 
 
 def _count_uploads(monkeypatch):
     calls = []
-    real = tl_.upload
+    real = tables.upload
 
     def counting(array, device):
         calls.append(array.nbytes)
         return real(array, device)
 
-    monkeypatch.setattr(tl_, "upload", counting)
+    monkeypatch.setattr(tables, "upload", counting)
     return calls
 
 
@@ -624,7 +626,7 @@ def test_keys_and_constants_derived_on_the_device_equal_the_hosts(device, mode):
     from dist_sr.numerics.adamw import constants as _constants
 
     names = ["w", "model.layers.0.mlp.down_proj.weight", "x" * 97, "y" * 98, "z" * 99, "q" * 300, "a.b#exp_avg_sq"]
-    tmpl = tl_.KeyTemplates(names, seed=1234, mode=mode, device=torch.device(device))
+    tmpl = tables.KeyTemplates(names, seed=1234, mode=mode, device=torch.device(device))
     hypers = [AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1), AdamWHyper(3e-6, 0.8, 0.95, 1e-6, 0.1, 1)]
     hyper = torch.tensor(
         [[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in hypers], dtype=torch.float64, device=device

@@ -1,6 +1,6 @@
 """Triton kernels: the keyed SR cast and the fused AdamW steps, for any number of tensors per launch.
 
-Device code only; ``triton_launch`` builds the launches. Bitwise equal to the reference and the
+Device code only; ``sr_launch`` and ``adamw_launch`` build the launches. Bitwise equal to the reference and the
 C++ kernel: only the stream key ``K`` and the global element index enter, the hash is 64-bit
 unsigned SplitMix64, and AdamW is the same sequence of IEEE-rounded operations (launched with
 ``enable_fp_fusion=False``, ``sqrt_rn`` and ``div_rn``).
