@@ -201,7 +201,8 @@ def _finished(cfg: ExperimentConfig) -> bool:
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         return False
-    from .trainer import holds_a_run, read_metrics
+    from .metrics import read_metrics
+    from .rundir import holds_a_run
 
     lines = read_metrics(path)
     return bool(lines) and lines[-1]["step"] == cfg.grpo.steps and holds_a_run(Path(cfg.output_dir))
@@ -246,7 +247,7 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
 
 def _load(cfg: CompareConfig) -> dict[str, dict[int, list[list[dict]]]]:
     """label -> start seed -> the metrics rows of each seed's run."""
-    from .trainer import read_metrics
+    from .metrics import read_metrics
 
     return {
         cell.label: {

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from dist_sr.rl.config import to_dict
-from dist_sr.rl.trainer import read_metrics
+from dist_sr.rl.metrics import read_metrics
 from dist_sr.rl.warmup import warmup_checkpoint
 from dist_sr.rollout.vllm.control import VLLMControl
 from tests.engines.test_checkpoint_fuzz import pickle_region

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dist_sr.config import ConfigError
-from dist_sr.rl.trainer import NonFiniteTraining, read_metrics, train
+from dist_sr.rl.metrics import read_metrics
+from dist_sr.rl.trainer import NonFiniteTraining, train
 
 
 def strict_records(path):
