@@ -80,11 +80,11 @@ def test_spreads_and_checks_are_over_start_checkpoints(tmp_path):
     summary = summarize(cfg)
     sr = summary["bf16-sr"]
     # mean of the four runs; std of the checkpoint means (0.31, 0.40); mean of the seed stds (0.01, 0)
-    mean, over_starts, over_seeds = sr["accuracy_at"][10]
+    mean, over_starts, over_seeds = sr.accuracy_at[10]
     assert (mean, over_starts, over_seeds) == pytest.approx((0.355, 0.045, 0.005))
-    assert sr["per_start"][0]["gain_at"][10] == pytest.approx(0.11)
-    assert sr["per_start"][1]["start_accuracy"] == pytest.approx(0.3)
-    assert summary["bf16"]["dead_zone_frac"] == pytest.approx(0.99) and sr["dead_zone_frac"] is None
+    assert sr.per_start[0].gain_at[10] == pytest.approx(0.11)
+    assert sr.per_start[1].start_accuracy == pytest.approx(0.3)
+    assert summary["bf16"].dead_zone_frac == pytest.approx(0.99) and sr.dead_zone_frac is None
 
     report = write_report(cfg).read_text()
     assert "| bf16-sr | 0.355 ± 0.045 / 0.005 |" in report
@@ -219,7 +219,7 @@ def test_start_checkpoints_are_warmed_up_from_their_own_seed_and_finished_runs_a
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("metrics.jsonl")}
     report = run_comparison(cfg, progress=False).read_text()  # nothing left to train: the runs are reused
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
-    assert "holds at" in report and not math.isnan(summarize(cfg)["bf16"]["final_accuracy"])
+    assert "holds at" in report and not math.isnan(summarize(cfg)["bf16"].final_accuracy)
 
 
 @pytest.mark.slow

@@ -1,0 +1,175 @@
+"""A comparison's settings (``CompareConfig``, read by ``load_compare``) and the runs they name:
+each cell (a run at one learning rate) from each start checkpoint with each seed, its directory
+and its experiment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...config import load_document
+from ..config import ConfigError, ExperimentConfig, from_dict, load_experiment
+from ..metrics import read_metrics
+from ..rundir import holds_a_run
+
+
+@dataclass
+class RunSpec:
+    name: str
+    precision: str = "bf16-sr"
+    lr_scale: float = 1.0
+    shadow_jitter: bool = False
+    seeds: list[int] | None = None  # this run's RL seeds (None: the comparison's); fewer for a slow run
+
+
+def _default_runs() -> list[RunSpec]:
+    return [
+        RunSpec("fp32", "fp32"),
+        RunSpec("fp16", "fp16", seeds=[0]),  # ~4x the others' time on a CPU: one seed per start checkpoint
+        RunSpec("bf16", "bf16"),
+        RunSpec("bf16-sr", "bf16-sr"),
+        RunSpec("bf16-offgrid", "bf16", shadow_jitter=True),
+    ]
+
+
+def _int_list(values, what: str) -> None:
+    if (
+        not values
+        or not isinstance(values, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in values)
+    ):
+        raise ConfigError(f"{what} must be a non-empty list of ints, got {values!r}")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"{what} has duplicates: {values!r}")
+
+
+@dataclass
+class CompareConfig:
+    experiment: dict[str, Any] = field(default_factory=dict)  # overrides of the experiment defaults
+    experiment_file: str | None = None  # or a YAML file (relative to this one)
+    start_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # warm-up seeds: one start checkpoint each
+    seeds: list[int] = field(default_factory=lambda: [0, 1])  # RL seeds, each from every start checkpoint
+    lrs: list[float] = field(default_factory=list)  # a sweep: every run at each lr (x its lr_scale)
+    runs: list[RunSpec] = field(default_factory=_default_runs)
+    parallel: int = 2
+    threshold: float = 0.05  # accuracy gain for "steps to threshold" and matched-accuracy KL
+    report_steps: list[int] = field(default_factory=lambda: [100, 200, 300])
+    reference: str = "bf16-sr"  # the run others are compared with in the goal checks
+    output_dir: str = "runs/compare"
+
+    def __post_init__(self):
+        _int_list(self.seeds, "seeds")
+        _int_list(self.start_seeds, "start_seeds")
+        if not isinstance(self.lrs, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.lrs
+        ):
+            raise ConfigError(f"lrs must be a list of positive learning rates (empty: no sweep), got {self.lrs!r}")
+        if len(set(self.lrs)) != len(self.lrs):
+            raise ConfigError(f"lrs has duplicates: {self.lrs!r}")
+        if self.parallel < 1:
+            raise ConfigError(f"parallel must be >= 1 (training processes at a time), got {self.parallel}")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One column of the comparison: a run, at one learning rate of the sweep (``lr`` None: the
+    experiment's), trained from every start checkpoint with every seed."""
+
+    label: str
+    spec: RunSpec
+    lr: float | None = None
+
+
+def cells(cfg: CompareConfig) -> list[Cell]:
+    if not cfg.lrs:
+        return [Cell(spec.name, spec) for spec in cfg.runs]
+    return [Cell(label(spec.name, lr), spec, float(lr)) for lr in cfg.lrs for spec in cfg.runs]
+
+
+def run_seeds(cfg: CompareConfig, cell: Cell) -> list[int]:
+    return cfg.seeds if cell.spec.seeds is None else cell.spec.seeds
+
+
+def label(name: str, lr: float | None) -> str:
+    return name if lr is None else f"{name}@{lr:g}"
+
+
+def load_compare(source: str | Path | None = None, overrides: dict | None = None) -> CompareConfig:
+    data: dict = {}
+    base = Path(".")
+    if source is not None:
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError(f"compare config {path} does not exist")
+        data = load_document(path)
+        base = path.parent
+    for k, v in (overrides or {}).items():
+        data[k] = v
+    runs = data.pop("runs", None)
+    cfg = from_dict(CompareConfig, data)
+    if runs is not None:
+        if not isinstance(runs, list) or not runs:
+            raise ConfigError("runs: expected a non-empty list of {name, precision, lr_scale, shadow_jitter}")
+        cfg.runs = [from_dict(RunSpec, r, f"runs[{i}]") for i, r in enumerate(runs)]
+        for i, spec in enumerate(cfg.runs):
+            if spec.seeds is not None:
+                _int_list(spec.seeds, f"runs[{i}].seeds")
+    if cfg.experiment_file:
+        cfg.experiment_file = str((base / cfg.experiment_file).resolve())
+    names = [r.name for r in cfg.runs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"runs: duplicate run names in {names}")
+    if any("@" in n or "/" in n for n in names):
+        raise ConfigError(f"runs: a run name may not contain '@' or '/' (used for sweeps and paths): {names}")
+    if cfg.reference not in names:
+        raise ConfigError(f"reference: {cfg.reference!r} is not one of the runs {names}")
+    for cell in cells(cfg):  # validate every run's experiment now, not after an hour of training
+        exp = run_config(cfg, cell, cfg.start_seeds[0], cfg.seeds[0])
+    if len(cfg.start_seeds) > 1 and (exp.model.path is not None or not exp.warmup.enabled):
+        raise ConfigError(
+            f"start_seeds={cfg.start_seeds}: start checkpoints differ by their warm-up seed, but this "
+            "experiment has no warm-up (model.path is set or warmup.enabled is false); set "
+            "start_seeds: [0] and vary seeds instead"
+        )
+    return cfg
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def run_dir(cfg: CompareConfig, cell: Cell, start: int, seed: int) -> Path:
+    return Path(cfg.output_dir) / cell.label / f"start-{start}" / f"seed-{seed}"
+
+
+def run_config(cfg: CompareConfig, cell: Cell, start: int, seed: int) -> ExperimentConfig:
+    """The experiment of one run, start checkpoint and seed: the shared experiment plus the run's
+    own settings."""
+    data = load_document(Path(cfg.experiment_file)) if cfg.experiment_file else {}
+    data = _deep_merge(data, cfg.experiment)
+    base_lr = cell.lr if cell.lr is not None else load_experiment(data).grpo.lr
+    return load_experiment(
+        data,
+        {
+            "precision": cell.spec.precision,
+            "grpo.lr": base_lr * cell.spec.lr_scale,
+            "shadow_jitter": cell.spec.shadow_jitter,
+            "seed": seed,
+            "warmup.seed": start,
+            "output_dir": str(run_dir(cfg, cell, start, seed)),
+            "threads": 1,
+        },
+    )
+
+
+def finished(cfg: ExperimentConfig) -> bool:
+    """Whether the run of ``cfg`` trained to its last step and left its checkpoint."""
+    path = Path(cfg.output_dir) / "metrics.jsonl"
+    if not path.exists():
+        return False
+    lines = read_metrics(path)
+    return bool(lines) and lines[-1]["step"] == cfg.grpo.steps and holds_a_run(Path(cfg.output_dir))

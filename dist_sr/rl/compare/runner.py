@@ -1,0 +1,69 @@
+"""Training a comparison's runs: the start checkpoints first, then every run x start x seed in
+parallel worker processes, skipping finished ones (an interrupted comparison picks up where it
+stopped)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..config import ExperimentConfig
+from .config import CompareConfig, cells, finished, run_config, run_seeds
+from .report import write_report
+
+
+def _warm_one(cfg: ExperimentConfig) -> str:
+    import torch
+
+    from ..warmup import warmup_checkpoint
+
+    if cfg.threads:  # as the runs do: workers sharing the cores each take their share, not all of them
+        torch.set_num_threads(cfg.threads)
+    return str(warmup_checkpoint(cfg, progress=False))
+
+
+def _train_one(cfg: ExperimentConfig) -> str:
+    from transformers.utils import logging as hf_logging
+
+    from ..trainer import train
+
+    hf_logging.disable_progress_bar()  # one line per finished run is enough in a worker
+
+    return str(train(cfg, progress=False, resume="auto"))  # a run cut short continues
+
+
+def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
+    """Warm up every start checkpoint, train every run x start x seed (skipping finished ones),
+    then write the report; returns report.md."""
+    jobs = [
+        (cell, start, seed, run_config(cfg, cell, start, seed))
+        for cell in cells(cfg)
+        for start in cfg.start_seeds
+        for seed in run_seeds(cfg, cell)
+    ]
+    todo = [j for j in jobs if not finished(j[3])]
+    todo.sort(key=lambda j: j[3].precision.precision != "fp16")  # slowest on a CPU first: shorter makespan
+    if not todo:  # every run finished: the report only, no worker processes
+        return write_report(cfg)
+    from ..warmup import is_cached
+
+    with cf.ProcessPoolExecutor(max_workers=cfg.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+        first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
+        # the start checkpoints not cached yet, before any run needs them
+        warm = [pool.submit(_warm_one, exp) for exp in first.values() if not is_cached(exp)]
+        for fut in tqdm(
+            cf.as_completed(warm), total=len(warm), desc="start checkpoints (warm-up)", disable=not progress
+        ):
+            fut.result()
+        bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="comparison runs", disable=not progress)
+        futures = {pool.submit(_train_one, exp): (cell.label, start, seed) for cell, start, seed, exp in todo}
+        for fut in cf.as_completed(futures):
+            fut.result()  # a failed run fails the comparison, with its traceback
+            name, start, seed = futures[fut]
+            bar.set_postfix_str(f"done {name} start {start} seed {seed}")
+            bar.update(1)
+        bar.close()
+    return write_report(cfg)
