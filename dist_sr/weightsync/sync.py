@@ -349,20 +349,23 @@ class WeightSync:
                     pieces = [(n, 0, full[n].reshape(-1)) for n in names] if self.rank == 0 else []
                 else:
                     pieces = [(p.name, p.start, p.bits) for p in self.source.local_pieces(names) if p.end > p.start]
-                if verify:
-                    sums.update({n: piece_sum(bits, s) for n, s, bits in pieces})
+                work = None
                 if self.rank < self.senders:
                     chunks, sized = self._pieces_out(pieces, base)
                     if sized:
-                        sent += send_sized(
+                        nbytes, work = send_sized(
                             self.groups[self.rank], torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
                         )
                     else:
                         buf = self.packer.pack(chunks, bucket.nbytes(self.rank))
-                        broadcast(self.groups[self.rank], buf).wait()
-                        sent += buf.numel()
+                        work, nbytes = broadcast(self.groups[self.rank], buf), buf.numel()
+                    sent += nbytes
                     if self.delta:
                         kept.extend((n, s, bits) for n, s, bits in pieces)
+                if verify:  # while the bucket is on the wire (the sums read the pieces, not the buffer)
+                    sums.update({n: piece_sum(bits, s) for n, s, bits in pieces})
+                if work is not None:
+                    work.wait()
         except RuntimeError as exc:
             failures.append(f"trainer rank {self.rank}: {exc}")
         for t in threads:

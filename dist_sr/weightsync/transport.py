@@ -127,11 +127,11 @@ def post_bucket(groups: dict, bucket: Bucket, sized: bool = False):
     return buffers, works
 
 
-def send_sized(group, payload: torch.Tensor) -> int:
-    """Trainer side of a sized buffer: its length, then the bytes; returns the bytes sent."""
+def send_sized(group, payload: torch.Tensor):
+    """Trainer side of a sized buffer: its length, then the bytes. Returns (the bytes sent, the
+    payload's work handle: wait on it before ``payload`` is reused)."""
     broadcast(group, torch.tensor([payload.numel()], dtype=torch.int64)).wait()
-    broadcast(group, payload).wait()
-    return 8 + payload.numel()
+    return 8 + payload.numel(), broadcast(group, payload)
 
 
 def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
