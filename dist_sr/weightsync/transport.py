@@ -109,20 +109,35 @@ class Packer:
         return buf
 
 
-def post_bucket(groups: dict, bucket: Bucket, sized: bool = False):
-    """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works).
-    ``sized``: each buffer is preceded by its length (a delta bucket), received first."""
+def post_bucket(groups: dict, bucket: Bucket):
+    """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works)."""
     buffers, works = {}, []
     for src in bucket.sources():
-        if sized:
-            size = torch.zeros(1, dtype=torch.int64)
-            broadcast(groups[src], size).wait()
-            spans = sum(1 for t in bucket.tensors for p in t.spans if p.src == src)
-            if not 0 <= int(size) <= 16 * bucket.nbytes(src) + 128 * spans + 2**16:
-                raise RuntimeError(f"delta bucket from trainer rank {src} claims {int(size)} bytes")
-            buffers[src] = torch.empty(int(size), dtype=torch.uint8)
-        else:
-            buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
+        buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
+        works.append(broadcast(groups[src], buffers[src]))
+    return buffers, works
+
+
+def post_sizes(groups: dict, bucket: Bucket) -> dict:
+    """Engine side of a delta bucket: start receiving each source's buffer length (it precedes
+    the buffer); ``post_sized`` waits for them."""
+    sizes = {}
+    for src in bucket.sources():
+        size = torch.zeros(1, dtype=torch.int64)
+        sizes[src] = (size, broadcast(groups[src], size))
+    return sizes
+
+
+def post_sized(groups: dict, bucket: Bucket, sizes: dict):
+    """Engine side of a delta bucket: wait for the lengths ``post_sizes`` started receiving,
+    check them against the bucket, and start receiving the buffers (returns buffers, works)."""
+    buffers, works = {}, []
+    for src, (size, work) in sizes.items():
+        work.wait()
+        spans = sum(1 for t in bucket.tensors for p in t.spans if p.src == src)
+        if not 0 <= int(size) <= 16 * bucket.nbytes(src) + 128 * spans + 2**16:
+            raise RuntimeError(f"delta bucket from trainer rank {src} claims {int(size)} bytes")
+        buffers[src] = torch.empty(int(size), dtype=torch.uint8)
         works.append(broadcast(groups[src], buffers[src]))
     return buffers, works
 
@@ -160,15 +175,24 @@ def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
 
 
 def receive_buckets(groups: dict, buckets: list[Bucket], sized: bool = False):
-    """Yield each bucket's tensors, receiving the next bucket while the caller loads this one
-    (``sized``: yield each bucket's raw buffers per source instead, for the caller to decode)."""
-    posted = post_bucket(groups, buckets[0], sized) if buckets else None
-    for i, bucket in enumerate(buckets):
-        current = posted
-        posted = post_bucket(groups, buckets[i + 1], sized) if i + 1 < len(buckets) else None
-        if sized:
-            for w in current[1]:
-                w.wait()
-            yield current[0]
-        else:
+    """Yield each bucket's tensors, receiving the next bucket while the caller loads this one.
+
+    ``sized`` (delta buckets, whose lengths are known only when they are sent): yield each
+    bucket's raw buffers per source instead, for the caller to decode; the next bucket's lengths
+    are posted before the caller decodes this one, so the trainer encodes bucket i + 1 while the
+    engine decodes bucket i."""
+    if not sized:
+        posted = post_bucket(groups, buckets[0]) if buckets else None
+        for i, bucket in enumerate(buckets):
+            current = posted
+            posted = post_bucket(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
             yield finish_bucket(bucket, current)
+        return
+    posted = post_sized(groups, buckets[0], post_sizes(groups, buckets[0])) if buckets else None
+    for i in range(len(buckets)):
+        buffers, works = posted
+        sizes = post_sizes(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
+        for w in works:
+            w.wait()
+        yield buffers
+        posted = post_sized(groups, buckets[i + 1], sizes) if sizes is not None else None
