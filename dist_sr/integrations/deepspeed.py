@@ -4,9 +4,8 @@
 
 import warnings
 
-from ..engines.deepspeed.config import CONFIG_KEY, SRConfig, config_for_precision, precision_of_config, split_config
-from ..engines.deepspeed.hook import DeepSpeedSR, attach, hooked_initialize, initialize
-from ..engines.deepspeed.version import TESTED, UnsupportedDeepSpeed, check_version
+from ..engines import deepspeed as _moved
+from ..engines.deepspeed import *  # noqa: F403  (every public name of the new location)
 
 warnings.warn(
     "dist_sr.integrations.deepspeed moved to dist_sr.engines.deepspeed (hook, config, version)",
@@ -14,17 +13,4 @@ warnings.warn(
     stacklevel=2,
 )
 
-__all__ = [
-    "CONFIG_KEY",
-    "TESTED",
-    "DeepSpeedSR",
-    "SRConfig",
-    "UnsupportedDeepSpeed",
-    "attach",
-    "check_version",
-    "config_for_precision",
-    "hooked_initialize",
-    "initialize",
-    "precision_of_config",
-    "split_config",
-]
+__all__ = list(_moved.__all__)

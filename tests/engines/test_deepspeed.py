@@ -371,3 +371,16 @@ def test_our_deepspeed_checkpoints_are_verified_on_save_and_on_load(tmp_path):
     run_workers(_guard_load_worker, 2, tmp_path, "corrupt")
     write_manifest(tmp_path / "deepspeed" / "step2")
     run_workers(_guard_load_worker, 2, tmp_path, "digest")
+
+
+def test_the_deprecated_integration_path_warns_and_gives_the_same_objects():
+    import importlib
+    import sys
+
+    from dist_sr.engines import deepspeed
+
+    sys.modules.pop("dist_sr.integrations.deepspeed", None)
+    with pytest.warns(DeprecationWarning, match="moved to dist_sr.engines.deepspeed"):
+        old = importlib.import_module("dist_sr.integrations.deepspeed")
+    assert old.__all__ == deepspeed.__all__
+    assert all(getattr(old, n) is getattr(deepspeed, n) for n in deepspeed.__all__)

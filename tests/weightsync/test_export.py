@@ -94,23 +94,11 @@ def test_deepspeed_rollout_weights_are_the_keyed_bits_at_every_stage(stage):
 def _tied_frozen_worker(rank, world_size):
     """Tied embeddings (as Qwen2.5-0.5B) and a frozen parameter under FSDP2 with SR."""
     from torch.distributed.fsdp import fully_shard
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from dist_sr.engines import fsdp2
     from tests.engines.test_fsdp2 import capture_working, train
 
-    config = Qwen2Config(
-        vocab_size=5,
-        hidden_size=24,
-        intermediate_size=41,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = tiny_qwen2(vocab_size=5, tie_word_embeddings=True, initializer_range=0.02)  # Qwen2Config's default range
     model.model.norm.weight.requires_grad_(False)
     ctx = fsdp2.prepare(model, seed=SEED)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, to the one wrapped master
