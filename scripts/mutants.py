@@ -595,6 +595,22 @@ MUTANTS = [
         "seeds = std(flat) if len(per_start[0]) > 1 else None",
         (f"{T_CMP}::test_spreads_and_checks_are_over_start_checkpoints",),
     ),
+    Mutant(
+        "compare-workers-unpinned",
+        "rl: comparison runner",
+        "dist_sr/rl/compare/runner.py",
+        "pinned(cfg.cpu_isa),",
+        "pinned(None),",
+        ("tests/rl/test_cpu_math.py::test_the_workers_compute_with_the_pinned_isa",),
+    ),
+    Mutant(
+        "warmup-cache-ignores-the-pin",
+        "rl: warm-up cache",
+        "dist_sr/rl/warmup.py",
+        'parts.append(f"cpu-isa-{isa}")',
+        "pass",
+        ("tests/rl/test_cpu_math.py::test_warmup_cache_tells_pinned_from_unpinned",),
+    ),
 ]
 
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from ..engines import training_device
 from ..rollout.base import encode_prompts
 from .config import ExperimentConfig
+from .cpu_math import pinned_isa
 from .evaluation import evaluate, fixed_examples
 from .grpo import sequence_logits, token_logprobs
 from .model import new_tiny
@@ -29,14 +30,17 @@ CACHE_VERSION = "warmup-v1"
 
 
 def cache_key(cfg: ExperimentConfig, device_type: str | None = None) -> str:
-    """What names a cached warm-up: its settings and the kind of device it trains on (a GPU's
-    kernels give other bits than the CPU's, so a GPU warm-up is not the CPU one)."""
+    """What names a cached warm-up: its settings, the kind of device it trains on (a GPU's kernels
+    give other bits than the CPU's, so a GPU warm-up is not the CPU one) and the instruction set a
+    CPU warm-up's kernels are pinned to, if any (``cpu_math``)."""
     w = dataclasses.asdict(cfg.warmup)
     w.pop("cache_dir")
     device_type = training_device().type if device_type is None else device_type
     parts = [CACHE_VERSION, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.task), w, cfg.grpo.max_new_tokens]
-    if device_type != "cpu":  # CPU warm-ups keep the names they always had
+    if device_type != "cpu":  # unpinned CPU warm-ups keep the names they always had
         parts.append(device_type)
+    elif (isa := pinned_isa()) is not None:
+        parts.append(f"cpu-isa-{isa}")
     blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError
+from ..cpu_math import machine, resolve_isa
 from .config import CompareConfig, cells, finished, label, run_config, run_dir, run_seeds
 from .summary import Summary, eval_curve, gain_ratio, goal_checks, learning_rates, load_runs, mean, summarize
 
@@ -142,7 +143,15 @@ def write_report(cfg: CompareConfig) -> Path:
         f"checkpoint); KL is exact KL(policy || start checkpoint) at answer positions; 'steps to +{cfg.threshold}' "
         f"is per run, then averaged; 'KL @ +{cfg.threshold}' is the KL when the mean accuracy first gains that "
         "much (matched accuracy); 'dead zone' is the mean per-step fraction of non-zero updates of the FP32 weights "
-        "smaller than half the BF16 spacing at the weight (what round-to-nearest from the BF16 grid drops).",
+        "smaller than half the BF16 spacing at the weight (what round-to-nearest from the BF16 grid drops)."
+        "",
+        f"Machine that wrote this report: {machine()}; the runs' CPU kernels (MKL, oneDNN, ATen) "
+        + (
+            f"pinned to {isa.upper()} (`cpu_isa`), so another CPU can still give other bits where a library "
+            "picks kernels by the CPU itself."
+            if (isa := resolve_isa(cfg.cpu_isa))
+            else "not pinned (`cpu_isa: null`), so another CPU can give other bits."
+        ),
         "",
         *_main_table(cfg, summary),
         "",

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ..config import ExperimentConfig
+from ..cpu_math import check_pin_took, pinned
 from .config import CompareConfig, cells, finished, run_config, run_seeds
 from .report import write_report
 
@@ -20,6 +23,7 @@ def _warm_one(cfg: ExperimentConfig) -> str:
 
     from ..warmup import warmup_checkpoint
 
+    check_pin_took()
     if cfg.threads:  # as the runs do: workers sharing the cores each take their share, not all of them
         torch.set_num_threads(cfg.threads)
     return str(warmup_checkpoint(cfg, progress=False))
@@ -30,9 +34,21 @@ def _train_one(cfg: ExperimentConfig) -> str:
 
     from ..trainer import train
 
+    check_pin_took()
     hf_logging.disable_progress_bar()  # one line per finished run is enough in a worker
 
     return str(train(cfg, progress=False, resume="auto"))  # a run cut short continues
+
+
+@contextmanager
+def worker_pool(cfg: CompareConfig) -> Iterator[cf.ProcessPoolExecutor]:
+    """The comparison's worker processes: spawned, so each starts with the environment that pins
+    ``cfg.cpu_isa`` and computes with it from its first kernel."""
+    with (
+        pinned(cfg.cpu_isa),
+        cf.ProcessPoolExecutor(max_workers=cfg.parallel, mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
+        yield pool
 
 
 def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
@@ -50,7 +66,7 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
         return write_report(cfg)
     from ..warmup import is_cached
 
-    with cf.ProcessPoolExecutor(max_workers=cfg.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with worker_pool(cfg) as pool:
         first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
         # the start checkpoints not cached yet, before any run needs them
         warm = [pool.submit(_warm_one, exp) for exp in first.values() if not is_cached(exp)]
