@@ -25,18 +25,23 @@ ISAS: dict[str, dict[str, str]] = {
 }
 
 
-def check_isa(isa: str | None, what: str = "cpu_isa") -> None:
+def check_isa(isa: str | None) -> None:
     """Refuses an instruction set we cannot pin, naming the choices."""
     if isa is not None and isa != "auto" and isa not in ISAS:
-        raise ConfigError(f"{what} must be 'auto', one of {sorted(ISAS)} or null (the CPU's widest), got {isa!r}")
+        raise ConfigError(f"cpu_isa must be 'auto', one of {sorted(ISAS)} or null (the CPU's widest), got {isa!r}")
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` of /proc/cpuinfo (None where there is none: not Linux, or no such field)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
+    except OSError:
+        return None
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def resolve_isa(isa: str | None) -> str | None:
@@ -98,12 +103,7 @@ def machine() -> str:
     import torch
     import transformers
 
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
+    model = _cpuinfo("model name") or platform.processor() or platform.machine()
     return (
         f"{model} (torch's widest kernels here: {torch.backends.cpu.get_cpu_capability()}); "
         f"torch {torch.__version__}, transformers {transformers.__version__}"

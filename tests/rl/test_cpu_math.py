@@ -4,7 +4,6 @@ tells pinned from unpinned checkpoints, and a pin that cannot take is refused.""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +11,11 @@ import torch
 from dist_sr.rl.compare.config import CompareConfig
 from dist_sr.rl.compare.runner import worker_pool
 from dist_sr.rl.config import ConfigError, load_experiment
-from dist_sr.rl.cpu_math import ISAS, check_pin_took, pinned, pinned_isa, resolve_isa
+from dist_sr.rl.cpu_math import ISAS, check_pin_took, cpu_flags, pinned, pinned_isa, resolve_isa
 from dist_sr.rl.warmup import cache_key
 
 NATIVE = torch.backends.cpu.get_cpu_capability().lower()
-FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+FLAGS = cpu_flags()
 
 
 def test_pinned_sets_and_restores_the_environment(monkeypatch):
@@ -42,10 +41,10 @@ def test_warmup_cache_tells_pinned_from_unpinned(monkeypatch):
     for name in ISAS["avx2"]:
         monkeypatch.delenv(name, raising=False)
     cfg = load_experiment({})
-    unpinned = cache_key(cfg, "cpu")
+    unpinned, gpu = cache_key(cfg, "cpu"), cache_key(cfg, "cuda")
     with pinned("avx2"):
         avx2 = cache_key(cfg, "cpu")
-        assert cache_key(cfg, "cuda") == cache_key(cfg, "cuda")  # a GPU warm-up's name has no CPU pin in it
+        assert cache_key(cfg, "cuda") == gpu  # a GPU warm-up's name has no CPU pin in it
     with pinned("avx512"):
         avx512 = cache_key(cfg, "cpu")
     assert len({unpinned, avx2, avx512}) == 3 and cache_key(cfg, "cpu") == unpinned

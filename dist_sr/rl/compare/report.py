@@ -143,8 +143,7 @@ def write_report(cfg: CompareConfig) -> Path:
         f"checkpoint); KL is exact KL(policy || start checkpoint) at answer positions; 'steps to +{cfg.threshold}' "
         f"is per run, then averaged; 'KL @ +{cfg.threshold}' is the KL when the mean accuracy first gains that "
         "much (matched accuracy); 'dead zone' is the mean per-step fraction of non-zero updates of the FP32 weights "
-        "smaller than half the BF16 spacing at the weight (what round-to-nearest from the BF16 grid drops)."
-        "",
+        "smaller than half the BF16 spacing at the weight (what round-to-nearest from the BF16 grid drops).",
         f"Machine that wrote this report: {machine()}; the runs' CPU kernels (MKL, oneDNN, ATen) "
         + (
             f"pinned to {isa.upper()} (`cpu_isa`), so another CPU can still give other bits where a library "
