@@ -6,6 +6,8 @@ dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONF
 dist-sr key NAME --seed S --step T   print a parameter's stream key
 dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
 dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
+dist-sr snapshot materialize DIR OUT the newest weight version the snapshots in DIR prove (a dense
+                                     base plus its deltas), as a checkpoint an engine serves
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dist_sr_deepspeed_hook
 from ..config import parse_overrides
 from ..numerics.key import normalize_param_name, stream_key
 from ..rl.compare import load_compare, run_comparison, write_report
+from ..weightsync.snapshot import materialize
 from . import k8s, planner
 
 
@@ -54,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     p_key.add_argument("--step", type=int, default=0)
     p_key.add_argument("--mode", default="stochastic", choices=["stochastic", "dither"])
 
+    p_snap = sub.add_parser("snapshot", help="rebuild the newest verified weight version from snapshots")
+    snap_sub = p_snap.add_subparsers(dest="snapshot_command", required=True)
+    p_mat = snap_sub.add_parser("materialize", help="base + deltas -> a dense checkpoint an engine serves")
+    p_mat.add_argument("snapshot_dir", help="rollout.vllm.snapshot_dir of the job")
+    p_mat.add_argument("out", help="where to write the checkpoint (replaced atomically)")
+
     p_k8s = sub.add_parser("k8s", help="render Kubernetes manifests from an experiment config", add_help=False)
     p_k8s.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -84,6 +93,11 @@ def _command(args: argparse.Namespace) -> int:
         report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
         print(report.read_text())
         print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")
+    elif args.command == "snapshot":
+        m = materialize(args.snapshot_dir, args.out)
+        for line in m.refused:
+            print(f"dist-sr snapshot: refused {line}", file=sys.stderr)
+        print(f"materialized version {m.version} (base v{m.base} + {m.deltas} deltas) into {m.path}, digest {m.digest}")
     elif args.command == "key":
         key = stream_key(seed=args.seed, step=args.step, param=args.name, mode=args.mode)
         print(f"{normalize_param_name(args.name)} {key:016x}")

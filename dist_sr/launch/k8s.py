@@ -239,11 +239,28 @@ def headless_service(cfg: ExperimentConfig, name: str, component: str, ports: li
     }
 
 
+WEIGHTS_MOUNT = "/weights"  # an engine's own copy of the weights it rebuilt from base + deltas
+
+
 def vllm_command(cfg: ExperimentConfig) -> list[str]:
     """Each engine serves the trainer's latest weight snapshot (or ``model.path``), with the
-    dist-sr weight-transfer backend; it waits for the first snapshot to exist."""
+    dist-sr weight-transfer backend; it waits for the first snapshot to exist. With
+    ``snapshot_deltas`` it first rebuilds the newest version the snapshots prove (a base plus its
+    deltas: ``dist-sr snapshot materialize``) into a volume of its own and serves that, so an
+    engine that restarts mid-run starts from the trainer's last step, not from the first."""
     f = cfg.rollout.vllm
-    model = shlex.quote(cfg.model.path or f"{snapshot_dir(cfg)}/current")  # a path is one word, never a command
+    current = f"{snapshot_dir(cfg)}/current"
+    wait = (
+        f"until [ -e {shlex.quote(current + '/config.json')} ]; do echo waiting for {shlex.quote(current)}; "
+        "sleep 5; done; "
+    )
+    if f.snapshot_deltas:
+        model = f"{WEIGHTS_MOUNT}/model"
+        wait += f"dist-sr snapshot materialize {shlex.quote(snapshot_dir(cfg))} {model} && "
+    elif cfg.model.path:
+        model, wait = shlex.quote(cfg.model.path), ""  # a path is one word, never a command
+    else:
+        model = shlex.quote(current)
     serve = (
         f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
         f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
@@ -251,14 +268,15 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
         f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension "
         f"--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware"
     )
-    config_json = shlex.quote(f"{cfg.model.path or snapshot_dir(cfg) + '/current'}/config.json")
-    wait = f"until [ -e {config_json} ]; do echo waiting for {model}; sleep 5; done; " if cfg.model.path is None else ""
     return ["/bin/sh", "-c", wait + serve]
 
 
 def vllm_statefulset(cfg: ExperimentConfig) -> dict:
     c, f, nm = cfg.cluster, cfg.rollout.vllm, names(cfg)
     volumes, mounts = _volumes(cfg, data_read_only=True)
+    if f.snapshot_deltas:
+        volumes.append({"name": "weights", "emptyDir": {}})
+        mounts.append({"name": "weights", "mountPath": WEIGHTS_MOUNT})
     gpus = c.gpus_per_engine if c.gpus_per_engine is not None else (f.tensor_parallel_size if c.gpus_per_node else 0)
     container = {
         "name": "vllm",

@@ -1,22 +1,214 @@
-"""Versioned safetensors snapshots of the working weights, for engines that (re)start.
+"""Versioned snapshots of the working weights on disk, for engines that (re)start.
 
-``snapshot_dir/v<version>/`` is a sharded Hugging Face checkpoint (one safetensors file per
+Dense: ``snapshot_dir/v<version>/`` is a sharded Hugging Face checkpoint (one safetensors file per
 bucket, an index, the model config and tokenizer), written bucket by bucket so the trainer never
-holds the whole model; ``snapshot_dir/current`` is a symlink switched atomically once a snapshot
-is complete, so an engine never starts from a half-written one. Engines started from a snapshot
-still count as pending until a sync verifies them at the trainer's current version.
+holds the whole model, with a ``MANIFEST.json`` (the SHA-256 of every file, signed with the job's
+sync secret, which engines hold too: ``engines.checkpoints``). ``snapshot_dir/current`` is a
+symlink switched atomically once a snapshot is complete, so an engine never starts from a
+half-written one.
+
+With deltas (``Snapshots(..., deltas=True)``), every version after a dense base is written as
+``snapshot_dir/chain/v<version>/``: the grid-step deltas (``numerics.delta``) against the version
+before, one file per trainer rank for the pieces it holds (``rank<r>.bin``; no gather), what they
+apply to and the layout-free digest of the result (``info.json``), and a signed manifest. A
+version then costs about 1/13 of a dense snapshot under SR and far less under round-to-nearest,
+so every version can be on disk: a restarted engine catches up from disk with ``materialize``
+(``dist-sr snapshot materialize``), which applies the chain to the newest base that verifies and
+checks the digest of every version it reaches, stopping at the last one that verifies. A new base
+is written every ``base_every`` versions, or when the chain since the base outgrows half a base.
+
+Engines started from a snapshot still count as pending until a sync verifies them at the
+trainer's current version.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from ..config import Refusal
+from ..engines.checkpoints import CheckpointCorrupt, verify_manifest, write_atomic, write_manifest
+from ..numerics import delta as delta_codec
+from ..numerics.digest import combine, tensor_sums
+from ..sources import digest_entries
+from . import auth
 from .plan import Span, TensorPlan, make_buckets
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+CHAIN = "chain"
+VERSION_KEY, DIGEST_KEY = "dist_sr_weight_version", "dist_sr_digest"
+
+
+class SnapshotError(Refusal, RuntimeError):
+    """No snapshot on disk verifies (or none exists)."""
+
+    what = "snapshot refused"
+
+
+@dataclass
+class Snapshots:
+    """The snapshot directory of one job. Every trainer rank of ``group`` calls ``write``: a base
+    is gathered bucket by bucket and written by rank 0; a delta is written by every rank for the
+    pieces it holds (no gather: ``snapshot_dir`` must be shared by the trainer's nodes, as the
+    Kubernetes render's volume is). With ``deltas`` each rank keeps a host copy of the 16-bit
+    pieces it holds (its share of the model) to code the next version against."""
+
+    root: Path
+    config: object = None
+    tokenizer: object = None
+    bucket_mb: float = 256.0
+    keep: int = 2  # dense bases kept (with the chains that follow them)
+    deltas: bool = False
+    base_every: int = 0  # with deltas: a new base every N versions (0: when the chain outgrows half a base)
+    group: object = None  # the trainer ranks' process group (default: the world)
+    held: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)  # the last version's pieces
+    held_version: int | None = None
+    base_version: int | None = None
+    base_bytes: int = 0
+    chain_bytes: int = 0  # rank 0: bytes of the deltas since the base, all ranks
+
+    def __post_init__(self):
+        self.root = Path(self.root)
+
+    def write(self, source, version: int) -> Path | None:
+        """Write ``version``, as a delta when one is due; returns its directory on rank 0."""
+        metas = source.metadata()
+        hold = self.deltas and all(d in ("bfloat16", "float16") for _, d, _ in metas)
+        if hold and _agree(self._delta_due(version), self.group):
+            try:
+                return self._write_delta(source, version, metas)
+            except BaseException:
+                self.held, self.held_version = {}, None  # a delta half-written: the next version is a base
+                raise
+        return self._write_base(source, version, metas, hold=hold)
+
+    def _delta_due(self, version: int) -> bool:
+        """Rank 0's choice (the others follow it)."""
+        if self.held_version is None or self.base_version is None:
+            return False
+        if self.base_every and version - self.base_version >= self.base_every:
+            return False
+        return 2 * self.chain_bytes <= self.base_bytes
+
+    def _hold_pieces(self, source, metas) -> None:
+        for p in source.local_pieces([m[0] for m in metas]):
+            if p.end > p.start:
+                flat, key = p.bits.detach().reshape(-1), (p.name, p.start)
+                held = self.held.get(key)
+                if held is None or held.shape != flat.shape or held.dtype != flat.dtype:
+                    self.held[key] = flat.to("cpu", copy=True)
+                else:
+                    held.copy_(flat)
+
+    # ---- a dense base (rank 0 writes) --------------------------------------------------------
+    def _write_base(self, source, version: int, metas, *, hold: bool) -> Path | None:
+        from safetensors.torch import save_file
+
+        rank = _rank(self.group)
+        plans = [TensorPlan(n, d, tuple(s), [Span(0, 0, 0)]) for n, d, s in metas]
+        buckets = [[t.name for t in b.tensors] for b in make_buckets(plans, int(self.bucket_mb * 2**20))]
+        final, tmp = self.root / f"v{version}", self.root / f".v{version}.partial"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.held, self.held_version = {}, None
+        weight_map, entries, nbytes = {}, {}, 0
+        for i, names in enumerate(buckets):
+            full = source.gather(names)  # a collective on every rank
+            if rank != 0:
+                continue
+            fname = f"model-{i + 1:05d}-of-{len(buckets):05d}.safetensors"
+            save_file({n: full[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in names})
+            entries.update(tensor_sums(full))
+            nbytes += sum(full[n].numel() * full[n].element_size() for n in names)
+        if hold:
+            self._hold_pieces(source, metas)
+            self.held_version = version
+        self.base_version, self.chain_bytes = version, 0
+        if rank != 0:
+            return None
+        self.base_bytes = nbytes
+        metadata = {VERSION_KEY: version, DIGEST_KEY: combine(entries)}
+        (tmp / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=1))
+        self._write_model_files(tmp, metas)
+        write_manifest(tmp, _key())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        link = self.root / ".current.tmp"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(final.name)
+        os.replace(link, self.root / "current")  # atomic switch
+        self._prune()
+        return final
+
+    def _write_model_files(self, directory: Path, metas) -> None:
+        if self.config is not None:
+            self.config.save_pretrained(directory)
+            cfg = json.loads((directory / "config.json").read_text())
+            dtypes = {d for _, d, _ in metas}
+            if len(dtypes) == 1:  # serve in the dtype of the working weights (the trainer loads FP32 configs)
+                cfg["dtype"] = cfg["torch_dtype"] = dtypes.pop()
+            (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory)
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep`` bases and the chain entries after the oldest of them."""
+        bases = _versions(self.root, "v")
+        for old in bases[: -self.keep]:
+            shutil.rmtree(self.root / f"v{old}", ignore_errors=True)
+        kept = bases[-self.keep :]
+        for v in _versions(self.root / CHAIN, "v"):
+            if not kept or v <= kept[0]:
+                shutil.rmtree(self.root / CHAIN / f"v{v}", ignore_errors=True)
+
+    # ---- a delta (every rank writes its pieces) ----------------------------------------------
+    def _write_delta(self, source, version: int, metas) -> Path | None:
+        rank, world = _rank(self.group), _world(self.group)
+        final, tmp = self.root / CHAIN / f"v{version}", self.root / CHAIN / f".v{version}.partial"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier(self.group)  # the directory exists for every rank
+        pieces, problem = [], ""
+        try:
+            with open(tmp / f"rank{rank:05d}.bin", "wb") as out:
+                for p in source.local_pieces([m[0] for m in metas]):
+                    if p.end > p.start:
+                        blob = delta_codec.encode(self.held[(p.name, p.start)], p.bits.detach().cpu()).to_bytes()
+                        out.write(blob)
+                        pieces.append([p.name, p.start, p.end, len(blob)])
+        except (OSError, KeyError, delta_codec.DeltaError) as exc:
+            problem = f"trainer rank {rank}: {exc}"
+        entries = digest_entries(source, world, self.group)  # collective: the layout-free digest
+        problems = _gather(problem, self.group)
+        if any(problems):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SnapshotError(f"snapshot delta of version {version} not written: {[p for p in problems if p]}")
+        self._hold_pieces(source, metas)
+        previous, self.held_version = self.held_version, version
+        by_rank = _gather(pieces, self.group)
+        if rank != 0:
+            return None
+        info = {"version": version, "previous": previous, "digest": combine(entries), "ranks": by_rank}
+        (tmp / "info.json").write_text(json.dumps(info, indent=1))
+        write_manifest(tmp, _key())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self.chain_bytes += sum(p[3] for ps in by_rank for p in ps)
+        return final
 
 
 def write_snapshot(
@@ -29,49 +221,170 @@ def write_snapshot(
     bucket_mb: float = 256.0,
     keep: int = 2,
 ) -> Path | None:
-    """Every trainer rank (``source.gather`` is a collective); rank 0 writes. Returns the
-    snapshot directory on rank 0."""
+    """A dense snapshot of ``version`` (every trainer rank; rank 0 writes and gets its directory)."""
+    return Snapshots(Path(snapshot_dir), config, tokenizer, bucket_mb, keep).write(source, version)
+
+
+# ---- catching up from disk ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Materialized:
+    """What ``materialize`` wrote: the version reached, its digest, the base it started from, the
+    deltas applied, and what was refused on the way (one line each)."""
+
+    path: Path
+    version: int
+    digest: str
+    base: int
+    deltas: int
+    refused: tuple[str, ...] = ()
+
+
+def materialize(snapshot_dir: str | Path, out: str | Path) -> Materialized:
+    """Write the newest version the snapshots can prove to ``out`` (a dense HF checkpoint an
+    engine serves): the newest base whose manifest and digest verify, then its chain of deltas
+    in order, each checked (manifest, continuity, the digest of the result), stopping before the
+    first that fails. Raises ``SnapshotError`` when no base verifies."""
+    root, out = Path(snapshot_dir), Path(out)
+    refused: list[str] = []
+    for base in reversed(_versions(root, "v")):
+        try:
+            tensors, index = _load_base(root / f"v{base}")
+        except (CheckpointCorrupt, SnapshotError, OSError, ValueError, KeyError) as exc:
+            refused.append(f"base v{base}: {exc}")
+            continue
+        version, digest, good = base, index["metadata"][DIGEST_KEY], []
+        for v in _versions(root / CHAIN, "v"):
+            if v <= base:
+                continue
+            entry = root / CHAIN / f"v{v}"
+            try:
+                digest = _apply_chain_entry(entry, tensors, version)
+            except (CheckpointCorrupt, SnapshotError, delta_codec.DeltaError, OSError, ValueError, KeyError) as exc:
+                refused.append(f"delta v{v}: {exc}")
+                # it may have changed tensors part-way: replay the base and the entries that verified
+                tensors, _ = _load_base(root / f"v{base}")
+                previous = base
+                for e in good:
+                    _apply_chain_entry(e, tensors, previous)
+                    previous = int(e.name[1:])
+                break
+            version = v
+            good.append(entry)
+        _write_dense(root / f"v{base}", index, tensors, out, version, digest)
+        for r in refused:
+            log.warning("snapshot: %s", r)
+        return Materialized(out, version, digest, base, len(good), tuple(refused))
+    raise SnapshotError(
+        f"no snapshot under {root} verifies: " + ("; ".join(refused) if refused else "there is none yet")
+    )
+
+
+def _load_base(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors.torch import load_file
+
+    verify_manifest(directory, _key())
+    index = json.loads((directory / INDEX).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(directory / fname)))
+    if set(tensors) != set(index["weight_map"]):
+        raise SnapshotError(f"{directory}: the files hold other tensors than the index names")
+    got = combine(tensor_sums(tensors))
+    if got != index["metadata"].get(DIGEST_KEY):
+        raise SnapshotError(f"{directory}: the weights' digest {got[:16]} is not the one recorded")
+    return tensors, index
+
+
+def _apply_chain_entry(directory: Path, tensors: dict[str, torch.Tensor], version: int) -> str:
+    """Apply one chain entry to ``tensors`` (which hold ``version``); returns the new digest."""
+    verify_manifest(directory, _key())
+    info = json.loads((directory / "info.json").read_text())
+    if info["previous"] != version:
+        raise SnapshotError(f"{directory.name} applies to version {info['previous']}, not to {version}")
+    for rank, pieces in enumerate(info["ranks"]):
+        blob = torch.frombuffer(bytearray((directory / f"rank{rank:05d}.bin").read_bytes()), dtype=torch.uint8)
+        offset = 0
+        for name, start, end, size in pieces:
+            d, after = delta_codec.read_delta(blob, offset)
+            if after - offset != size or name not in tensors or not 0 <= start < end <= tensors[name].numel():
+                raise SnapshotError(f"{directory.name}: rank {rank}'s delta of {name}[{start}:{end}] does not fit")
+            delta_codec.apply_(tensors[name].view(-1)[start:end], d)
+            offset = after
+        if offset != blob.numel():
+            raise SnapshotError(f"{directory.name}: {blob.numel() - offset} bytes after rank {rank}'s last delta")
+    digest = combine(tensor_sums(tensors))
+    if digest != info["digest"]:
+        raise SnapshotError(f"{directory.name}: the result's digest {digest[:16]} is not the one recorded")
+    return digest
+
+
+def _write_dense(base_dir: Path, index: dict, tensors, out: Path, version: int, digest: str) -> None:
     from safetensors.torch import save_file
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    root = Path(snapshot_dir)
-    final = root / f"v{version}"
-    tmp = root / f".v{version}.partial"
-    tensors = [TensorPlan(n, d, tuple(s), [Span(0, 0, 0)]) for n, d, s in source.metadata()]
-    buckets = make_buckets(tensors, int(bucket_mb * 2**20))
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    weight_map = {}
-    for i, bucket in enumerate(buckets):
-        names = [t.name for t in bucket.tensors]
-        full = source.gather(names)
-        if rank == 0:
-            fname = f"model-{i + 1:05d}-of-{len(buckets):05d}.safetensors"
-            save_file({n: full[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in names})
-    if rank != 0:
-        return None
-    (tmp / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"dist_sr_weight_version": version}, "weight_map": weight_map}, indent=1)
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    for name, fname in index["weight_map"].items():
+        by_file.setdefault(fname, {})[name] = tensors[name]
+    for fname, named in by_file.items():
+        save_file(named, str(tmp / fname), metadata={"format": "pt"})
+    for p in base_dir.iterdir():  # config, tokenizer
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "MANIFEST.json"):
+            shutil.copy2(p, tmp / p.name)
+    meta = {VERSION_KEY: version, DIGEST_KEY: digest}
+    write_atomic(tmp / INDEX, json.dumps({"metadata": meta, "weight_map": index["weight_map"]}, indent=1))
+    write_manifest(tmp, _key())
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _versions(directory: Path, prefix: str) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(p.name[len(prefix) :])
+        for p in directory.iterdir()
+        if p.is_dir() and p.name.startswith(prefix) and p.name[len(prefix) :].isdigit()
     )
-    if config is not None:
-        config.save_pretrained(tmp)
-        cfg = json.loads((tmp / "config.json").read_text())
-        dtypes = {d for _, d, _ in source.metadata()}
-        if len(dtypes) == 1:  # serve in the dtype of the working weights (the trainer loads FP32 configs)
-            cfg["dtype"] = cfg["torch_dtype"] = dtypes.pop()
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    link = root / ".current.tmp"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(final.name)
-    os.replace(link, root / "current")  # atomic switch
-    versions = sorted((int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit()), reverse=True)
-    for old in versions[keep:]:
-        shutil.rmtree(root / f"v{old}", ignore_errors=True)
-    return final
+
+
+def _key() -> bytes | None:
+    """Snapshots are signed with the job's sync secret, which trainer and engines both hold."""
+    return auth.load(required=False)
+
+
+def _rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _world(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _barrier(group) -> None:
+    if _world(group) > 1:
+        dist.barrier(group=group)
+
+
+def _agree(choice: bool, group) -> bool:
+    """Rank 0's ``choice``, on every rank."""
+    if _world(group) == 1:
+        return choice
+    box = [choice]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return bool(box[0])
+
+
+def _gather(obj, group) -> list:
+    if _world(group) == 1:
+        return [obj]
+    out = [None] * _world(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

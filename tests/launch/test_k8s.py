@@ -253,11 +253,32 @@ def test_a_model_path_with_spaces_or_shell_characters_stays_one_argument():
     from dist_sr.rl.config import load_experiment
 
     for path in ("/models/my model", "/models/x; touch /tmp/pwned", "/models/$(id)"):
-        cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml", {"model.path": path})
+        cfg = load_experiment(
+            REPO / "configs" / "multinode-vllm.yaml", {"model.path": path, "rollout.vllm.snapshot_deltas": False}
+        )
         words = shlex.split(k8s.vllm_command(cfg)[2])
         assert words[:4] == ["exec", "vllm", "serve", path], words[:6]
-    cfg = load_experiment(
-        REPO / "configs" / "multinode-vllm.yaml", {"cluster.data_dir": "/data dir", "model.path": None}
-    )
+    for deltas in (False, True):
+        cfg = load_experiment(
+            REPO / "configs" / "multinode-vllm.yaml",
+            {"cluster.data_dir": "/data dir", "model.path": None, "rollout.vllm.snapshot_deltas": deltas},
+        )
+        script = k8s.vllm_command(cfg)[2]
+        assert "'/data dir/snapshots/" in script and shlex.split(script.split("; do")[0])[:3] == ["until", "[", "-e"]
+
+
+def test_engines_rebuild_the_newest_snapshot_version_into_their_own_volume_before_serving(tmp_path):
+    from dist_sr.rl.config import load_experiment
+
+    cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml")
+    assert cfg.rollout.vllm.snapshot_deltas and cfg.model.path  # the trainer loads the model; engines the snapshots
     script = k8s.vllm_command(cfg)[2]
-    assert "'/data dir/snapshots/" in script and shlex.split(script.split("; do")[0])[:3] == ["until", "[", "-e"]
+    rebuild, serve = script.split("; done; ")[1].split(" && ")
+    assert shlex.split(rebuild) == ["dist-sr", "snapshot", "materialize", k8s.snapshot_dir(cfg), "/weights/model"]
+    assert shlex.split(serve)[:4] == ["exec", "vllm", "serve", "/weights/model"]
+    engines = _objects(_render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path), "StatefulSet")[0]
+    pod = engines["spec"]["template"]["spec"]
+    assert {"name": "weights", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "weights", "mountPath": "/weights"} in pod["containers"][0]["volumeMounts"]
+    data = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == cfg.cluster.data_dir)
+    assert data.get("readOnly")  # the snapshots are read, never written, by an engine

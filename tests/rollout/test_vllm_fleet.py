@@ -275,7 +275,7 @@ def test_zero3_and_fsdp2_trainers_deliver_their_working_bits_with_both_transport
     assert r["shard-direct"]["bytes"] < r["broadcast"]["bytes"]  # each rank sent only its shard
 
 
-def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(fleet, tmp_path):
+def test_an_engine_killed_mid_sync_is_dropped_then_catches_up_from_disk_and_rejoins(fleet, tmp_path):
     _, model_dir, engines = fleet
     a, b = engines["a"], engines["b"]
     model = _trainer_model(model_dir, seed=3)
@@ -283,11 +283,12 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
     ws.sync(20)
     from transformers import AutoTokenizer
 
-    from dist_sr.weightsync.snapshot import write_snapshot
+    from dist_sr.weightsync.snapshot import Snapshots, materialize
 
-    write_snapshot(
-        ws.source, tmp_path / "snapshots", 20, config=model.config, tokenizer=AutoTokenizer.from_pretrained(model_dir)
+    snapshots = Snapshots(
+        tmp_path / "snapshots", model.config, AutoTokenizer.from_pretrained(model_dir), bucket_mb=0.05, deltas=True
     )
+    snapshots.write(ws.source, 20)  # a dense base
 
     def kill_b(index, total):
         if index == total // 2:
@@ -300,17 +301,21 @@ def test_an_engine_killed_mid_sync_is_dropped_then_rejoins_with_current_weights(
     assert any(b.url in p for p in result.problems)
     assert [e.state for e in ws.engines] == ["ready", "down"]
     assert complete(a.url, PROMPTS[:1])  # the survivor serves version 21
+    snapshots.write(ws.source, 21)  # a delta against 20
 
     b.proc.wait()
-    # restarted from the last snapshot (version 20: stale by one step), at TP=1
-    restarted = EngineProcess(tmp_path / "snapshots" / "current", tp=1, log_dir=tmp_path, name="b-restarted")
+    # restarted at TP=1 from what the snapshots prove: the base plus its delta, version 21
+    caught_up = materialize(tmp_path / "snapshots", tmp_path / "b-weights")
+    assert (caught_up.version, caught_up.deltas, caught_up.digest) == (21, 1, result.digest)
+    restarted = EngineProcess(caught_up.path, tp=1, log_dir=tmp_path, name="b-restarted")
     engines["b"] = restarted
     restarted.wait_ready()
     ws.engines[1].control = VLLMControl(restarted.url, 30)
     assert ws.engines[1].state != "ready"  # nothing routes rollouts to it before a verified sync
+    assert complete(restarted.url, PROMPTS) == complete(a.url, PROMPTS)  # already at version 21: both TP=1
     result = ws.sync(22)
     assert sorted(result.ready) == sorted([a.url, restarted.url])
-    assert complete(restarted.url, PROMPTS) == complete(a.url, PROMPTS)  # both TP=1 now: bitwise equal
+    assert complete(restarted.url, PROMPTS) == complete(a.url, PROMPTS)
 
 
 def test_a_hung_engine_times_out_with_a_clear_error_and_the_fleet_goes_on(fleet):

@@ -26,6 +26,10 @@ class FleetConfig:
     timeout_s: float = TIMEOUT_S  # per collective and per HTTP call; an engine that exceeds it is dropped
     snapshot_dir: str | None = None  # versioned safetensors snapshots, for engines that (re)start
     snapshot_every: int = 0  # with snapshot_dir: also every N versions (0 = only the start weights)
+    # with snapshot_dir (which a Kubernetes render sets): every version on disk, a grid-step delta
+    # against the one before (a dense base every snapshot_every versions, or when the deltas outgrow
+    # half a base); engines that (re)start rebuild the newest version with `dist-sr snapshot materialize`
+    snapshot_deltas: bool = False
     startup_timeout_s: float = 1800.0  # how long the first sync waits for an engine to come up
     max_model_len: int = 128
     gpu_memory_utilization: float = 0.85

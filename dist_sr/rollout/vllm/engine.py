@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ...config import ConfigError
 from ...weightsync.control import TIMEOUT_S, EngineError, NoReadyEngineError
-from ...weightsync.snapshot import write_snapshot
+from ...weightsync.snapshot import Snapshots
 from ...weightsync.sync import WeightSync
 from ..base import Rollouts, encode_prompts
 from .control import controls, http
@@ -37,12 +38,18 @@ class VLLMFleetEngine:
         device=None,
         snapshot_dir: str | None = None,
         snapshot_every: int = 0,
+        snapshot_deltas: bool = False,
         model_config=None,
         startup_timeout_s: float = 1800.0,
     ):
         self.sync, self.tokenizer = sync, tokenizer
         self.timeout_s, self.device = timeout_s, device
-        self.snapshot_dir, self.snapshot_every, self.model_config = snapshot_dir, snapshot_every, model_config
+        self.snapshot_every = snapshot_every
+        self.snapshots = (
+            Snapshots(snapshot_dir, model_config, tokenizer, deltas=snapshot_deltas, base_every=snapshot_every)
+            if snapshot_dir
+            else None
+        )
         self.startup_timeout_s = startup_timeout_s
         self.version: int | None = None
         self._model_names: dict[str, str] = {}
@@ -53,6 +60,10 @@ class VLLMFleetEngine:
             raise ValueError(
                 "rollout.engine=vllm needs rollout.vllm.urls (the engines' base URLs), "
                 "or a Kubernetes render (dist-sr k8s) that fills them in"
+            )
+        if fleet_cfg.snapshot_deltas and not fleet_cfg.snapshot_dir:
+            raise ConfigError(
+                "rollout.vllm.snapshot_deltas needs rollout.vllm.snapshot_dir: where the base and its deltas go"
             )
         host = fleet_cfg.group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         sync = WeightSync(
@@ -72,16 +83,17 @@ class VLLMFleetEngine:
             device=device,
             snapshot_dir=fleet_cfg.snapshot_dir,
             snapshot_every=fleet_cfg.snapshot_every,
+            snapshot_deltas=fleet_cfg.snapshot_deltas,
             model_config=getattr(trainer.module, "config", None),
             startup_timeout_s=fleet_cfg.startup_timeout_s,
         )
 
     def sync_weights(self, version: int, verify: bool = True) -> None:
         first = self.version is None
-        if self.snapshot_dir and (first or (self.snapshot_every and version % self.snapshot_every == 0)):
-            write_snapshot(
-                self.sync.source, self.snapshot_dir, version, config=self.model_config, tokenizer=self.tokenizer
-            )
+        if self.snapshots is not None and (
+            first or self.snapshots.deltas or (self.snapshot_every and version % self.snapshot_every == 0)
+        ):
+            self.snapshots.write(self.sync.source, version)
         if first:
             self.wait_for_engines()
         self.sync.sync(version, verify=verify)
