@@ -18,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ -n "${GPU_CHECK_QUICK:-}" ]; then
   timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer-step-cuda.json" 2>&1 \
     | grep -v Warning | tee "$out/gpu-optimizer-step.md"
-  timeout 45 python3 bench/kernels.py --device cuda --sizes 26 28 --rounds 5 --json "$out/kernels-cuda.json" 2>&1 \
+  timeout 45 python3 bench/kernel_speed.py --device cuda --sizes 26 28 --rounds 5 --json "$out/kernels-cuda.json" 2>&1 \
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
   timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
@@ -29,7 +29,7 @@ timeout 75 python3 bench/triton_tune.py --env "$out/tuned.env" 2>&1 | tee "$out/
 [ -f "$out/tuned.env" ] && source "$out/tuned.env"
 timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer-step-cuda.json" 2>&1 \
   | grep -v Warning | tee "$out/gpu-optimizer-step.md"
-timeout 70 python3 bench/kernels.py --device cuda --sizes 20 24 26 28 --rounds 7 --json "$out/kernels-cuda.json" 2>&1 \
+timeout 70 python3 bench/kernel_speed.py --device cuda --sizes 20 24 26 28 --rounds 7 --json "$out/kernels-cuda.json" 2>&1 \
   | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
 timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \

@@ -174,3 +174,19 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     planted = {"dist_sr.a.x": {"dist_sr.a"}, "dist_sr.a": {"dist_sr.a.x"}}
     assert cycles(planted) == [["dist_sr.a", "dist_sr.a.x"]]
     assert LEVEL[room("dist_sr.rl.trainer")] > LEVEL[room("dist_sr.numerics.key")]
+
+
+def test_scripts_run_from_their_folders_do_not_shadow_the_packages_they_import():
+    """``python bench/x.py`` puts ``bench/`` first on ``sys.path``: a script named like a package
+    (``bench/kernels.py`` vs Hugging Face's ``kernels``, which transformers probes for) breaks every
+    script beside it that imports transformers."""
+    import subprocess
+    import sys
+
+    for folder in ("bench", "launch", "examples"):
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT / folder)!r}); "
+            "import transformers.models.qwen2.modeling_qwen2, torch.distributed, safetensors.torch"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{folder}/: {r.stderr[-1500:]}"

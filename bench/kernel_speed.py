@@ -1,8 +1,8 @@
 """Fast paths side by side: SR cast and fused AdamW+SR against torch baselines, CPU or CUDA.
 
-    python bench/kernels.py                      # CPU, 2^20 .. 2^26
-    python bench/kernels.py --sizes 20 24 28     # other sizes (log2)
-    python bench/kernels.py --device cuda        # GPU: Triton kernels, GB/s vs a D2D copy
+    python bench/kernel_speed.py                      # CPU, 2^20 .. 2^26
+    python bench/kernel_speed.py --sizes 20 24 28     # other sizes (log2)
+    python bench/kernel_speed.py --device cuda        # GPU: Triton kernels, GB/s vs a D2D copy
 
 Every candidate of a size is timed in the same round-robin loop (median over rounds); ratios
 are against the RTN cast (casts) and against torch's fused AdamW (optimizer steps).
