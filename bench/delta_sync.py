@@ -15,7 +15,9 @@ synthetic Adam-sized steps on the 11.5M-parameter shapes of ``configs/large.yaml
 (keyed SR vs round-to-nearest of the same FP32 shadows) and a 64M-element bucket for speed.
 
 Dense bytes are the 16-bit bucket; the delta's are its wire form (``Delta.nbytes``), summed over
-the steps. Ends with one line per precision:
+the steps; beside them, the bytes of the peers' (index, value) delta syncs (vLLM's ``sparse_nccl``,
+verl's ``delta_sharded``: an int32 index and the 16-bit value per changed element, built by
+``dist_sr.weightsync.sparse``) on the same versions. Ends with one line per precision:
 ``delta-sync: <precision>: dense <B> bytes, delta <B> bytes (1/<ratio>), encode <GB/s>, decode <GB/s>``
 (rates in GB of BF16 per second). Results go to bench/results/delta_sync.json.
 """
@@ -35,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_sr.numerics import delta  # noqa: E402
+from dist_sr.weightsync.sparse import SparseUnsupported, sparse_patch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,7 +72,7 @@ class Meter:
         self.repeat = repeat
         self.prev: torch.Tensor | None = None
         self.held: torch.Tensor | None = None
-        self.dense = self.coded = self.changed = self.escapes = self.elements = 0
+        self.dense = self.coded = self.changed = self.escapes = self.elements = self.pairs = 0
         self.encode_s = self.decode_s = 0.0
         self.layouts: dict[str, int] = {}
 
@@ -86,6 +89,10 @@ class Meter:
             raise AssertionError("the delta did not reproduce the version sent")
         self.dense += 2 * bucket.numel()
         self.coded += d.nbytes
+        try:  # what vLLM's sparse_nccl / verl's delta_sharded would send: int32 index + value per change
+            self.pairs += sparse_patch("bucket", self.prev, bucket, (bucket.numel(),)).nbytes
+        except SparseUnsupported:  # a NaN: the peers sync it dense
+            self.pairs += 2 * bucket.numel()
         self.changed += d.changed
         self.escapes += d.escapes
         self.elements += bucket.numel()
@@ -99,6 +106,8 @@ class Meter:
             "dense_bytes": self.dense,
             "delta_bytes": self.coded,
             "ratio": self.dense / max(self.coded, 1),
+            "pairs_bytes": self.pairs,
+            "pairs_ratio": self.dense / max(self.pairs, 1),
             "changed_frac": self.changed / max(self.elements, 1),
             "escape_frac": self.escapes / max(self.changed, 1),
             "layouts": self.layouts,
@@ -215,6 +224,10 @@ def speed_rows(args) -> list[dict]:
     return rows
 
 
+def _ratio(dense: int, sent: int) -> str:
+    return f"1/{dense / sent:.1f}" if sent <= dense else f"{sent / dense:.2f}x"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per precision (default 30)")
@@ -235,9 +248,16 @@ def main(argv=None) -> int:
         for r in extra["large"]:
             print(
                 f"  {r['precision']}, {r['source']}: 1/{r['ratio']:.1f} of dense, changed/step "
-                f"{r['changed_frac']:.4f}, escapes {r['escape_frac']:.4f} of changes",
+                f"{r['changed_frac']:.4f}, escapes {r['escape_frac']:.4f} of changes; peers' pairs "
+                f"{_ratio(r['dense_bytes'], r['pairs_bytes'])} of dense",
                 flush=True,
             )
+    for r in rows:  # the peers' (index, value) delta syncs on the same versions
+        print(
+            f"  peers' pairs, {r['precision']}: {r['pairs_bytes']} bytes ({_ratio(r['dense_bytes'], r['pairs_bytes'])} "
+            f"of dense; the grid-step delta is {r['pairs_bytes'] / max(r['delta_bytes'], 1):.1f}x smaller)",
+            flush=True,
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "delta_sync.json").write_text(json.dumps({"grpo": rows, **extra}, indent=1) + "\n")
     for r in rows:
