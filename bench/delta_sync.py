@@ -50,15 +50,19 @@ PRECISIONS = [
 ]
 
 
-def _timed(fn, repeat: int) -> float:
-    """Median seconds of ``fn()`` on one thread."""
+def _timed(fn, repeat: int, device: str = "cpu") -> float:
+    """Median seconds of ``fn()`` on one thread (on a GPU: synchronised, the kernels' time)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
         times = []
+        fn()  # warm-up (a GPU compiles the kernels here)
         for _ in range(repeat):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
     finally:
@@ -191,24 +195,25 @@ def large_rows(args) -> list[dict]:
     return rows
 
 
-def speed_rows(args) -> list[dict]:
-    """Encode/decode speed on a 64M-element bucket at SR's and RTN's change rates, beside memcpy."""
-    n = 1 << 26
+def speed_rows(args, device: str = "cpu", n: int = 1 << 26) -> list[dict]:
+    """Encode/decode speed on a 64M-element bucket at SR's and RTN's change rates, beside memcpy
+    (on ``cuda``: the Triton passes beside a device copy)."""
     g = torch.Generator().manual_seed(1)
-    old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+    old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).to(device)
     copy = torch.empty_like(old)
-    memcpy = 2 * n / _timed(lambda: copy.copy_(old), 5) / 1e9
+    memcpy = 2 * n / _timed(lambda: copy.copy_(old), 5, device) / 1e9
     rows = []
     for label, p in (("26% changed (SR)", 0.26), ("0.8% changed (RTN)", 0.008)):
         step = torch.where(torch.rand(n, generator=g) < 0.5, 1, -1) * (torch.rand(n, generator=g) < p)
-        new = (old.view(torch.int16).to(torch.int32) + step).to(torch.int16).view(torch.bfloat16)
+        new = (old.view(torch.int16).to(torch.int32) + step.to(device)).to(torch.int16).view(torch.bfloat16)
         d = delta.encode(old, new)
         work = old.clone()
-        enc = 2 * n / _timed(lambda: delta.encode(old, new), 5) / 1e9
-        dec = 2 * n / _timed(lambda: delta.apply_(work, d), 5) / 1e9  # each run applies once more: same cost
+        enc = 2 * n / _timed(lambda: delta.encode(old, new), 5, device) / 1e9
+        dec = 2 * n / _timed(lambda: delta.apply_(work, d), 5, device) / 1e9  # each run applies once more: same cost
         rows.append(
             {
                 "case": label,
+                "device": device,
                 "elements": n,
                 "ratio": 2 * n / d.nbytes,
                 "encode_gbs": enc,
@@ -218,7 +223,8 @@ def speed_rows(args) -> list[dict]:
         )
         print(
             f"  speed, {label}: 1/{2 * n / d.nbytes:.1f} of dense; encode {enc:.2f} GB/s, decode {dec:.2f} GB/s, "
-            f"memcpy {memcpy:.2f} GB/s (one thread)",
+            f"{'memcpy' if device == 'cpu' else 'device copy'} {memcpy:.2f} GB/s "
+            f"({'one thread' if device == 'cpu' else torch.cuda.get_device_name()}; n = {n})",
             flush=True,
         )
     return rows
@@ -235,7 +241,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=7, help="timing repeats per step (median)")
     ap.add_argument("--large", action="store_true", help="also the 11.5M-parameter synthetic steps and a speed run")
     ap.add_argument("--large-steps", type=int, default=5)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: only the codec's speed on the GPU (the Triton passes; encode includes moving the "
+        "delta to the host, where the sync sends it)",
+    )
     args = ap.parse_args(argv)
+    if args.device != "cpu":
+        rows = [r for bits in (26, 28) for r in speed_rows(args, args.device, 1 << bits)]
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"delta_sync_{args.device}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return 0
     from dist_sr.numerics.backends import cpu
 
     cpu.load_delta()  # the C++ codec (built once per environment); without it the torch reference runs

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, one prepared script for a lent GPU machine (about 6 minutes on an H200): the
-# launch-shape sweep, the optimizer-step and kernels benchmarks with the chosen shapes, then the
+# launch-shape sweep, the optimizer-step and kernels benchmarks with the chosen shapes, the delta
+# codec's speed, then the
 # CUDA tests (bitwise against the CPU reference, no host synchronisation in a step, steps replayed
 # from a CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
 # Run from the repository root:  bash bench/gpu_check.sh
@@ -22,7 +23,7 @@ if [ -n "${GPU_CHECK_QUICK:-}" ]; then
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
   timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-    tests/numerics/test_digest.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+    tests/numerics/test_digest.py tests/numerics/test_delta.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
   exit 0
 fi
 timeout 75 python3 bench/triton_tune.py --env "$out/tuned.env" 2>&1 | tee "$out/gpu-tune.md"
@@ -32,5 +33,7 @@ timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer
 timeout 70 python3 bench/kernel_speed.py --device cuda --sizes 20 24 26 28 --rounds 7 --json "$out/kernels-cuda.json" 2>&1 \
   | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
 timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
+# the grid-step delta codec's Triton passes at 2^26 and 2^28 elements, beside a device copy
+timeout 60 python3 bench/delta_sync.py --device cuda 2>&1 | grep -v Warning | tee "$out/gpu-delta-codec.md"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-  tests/numerics/test_digest.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  tests/numerics/test_digest.py tests/numerics/test_delta.py 2>&1 | tee "$out/gpu-tests.log" | tail -25

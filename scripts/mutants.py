@@ -426,6 +426,36 @@ MUTANTS = [
         (f"{T_EXPORT}::test_export_refuses_what_it_cannot_round_faithfully",),
     ),
     Mutant(
+        "sparse-pairs-ignore-the-shard-offset",
+        "weightsync: peers' pairs",
+        "dist_sr/weightsync/sparse.py",
+        "SparsePatch(name, (local + start).to(torch.int32),",
+        "SparsePatch(name, local.to(torch.int32),",
+        (
+            "tests/weightsync/test_sparse.py::"
+            "test_pairs_reproduce_sr_steps_and_special_values_bit_for_bit_from_two_shard_layouts",
+        ),
+    ),
+    Mutant(
+        "snapshot-chain-digest-unchecked",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        'if digest != info["digest"]:',
+        "if False:",
+        (
+            "tests/weightsync/test_snapshot.py::"
+            "test_a_damaged_delta_stops_the_catch_up_at_the_last_version_that_verifies",
+        ),
+    ),
+    Mutant(
+        "triton-delta-sign-inverted",
+        "numerics: delta codec (Triton)",
+        "dist_sr/numerics/backends/triton/delta_kernels.py",
+        "code = (code + 1 - 2 * sign) & 0xFFFF",
+        "code = (code - 1 + 2 * sign) & 0xFFFF",
+        ("tests/numerics/test_delta.py::test_adversarial_codes_roundtrip_and_count_as_specified",),
+    ),
+    Mutant(
         "trl-push-not-routed",
         "integrations: TRL",
         "dist_sr/integrations/trl.py",

@@ -144,9 +144,24 @@ def _kernel():
     return cpu.loaded_delta()
 
 
-def encode(old: torch.Tensor, new: torch.Tensor, *, layout: str | None = None, reference: bool = False) -> Delta:
+def _use_triton(t: torch.Tensor, triton: bool | None) -> bool:
+    """The Triton passes for CUDA tensors (``triton=None``), or wherever asked (``TRITON_INTERPRET=1``
+    runs them on CPU tensors)."""
+    return t.device.type == "cuda" if triton is None else triton
+
+
+def encode(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    layout: str | None = None,
+    reference: bool = False,
+    triton: bool | None = None,
+) -> Delta:
     """``new`` coded against ``old`` (same number of 16-bit elements; shapes are the caller's);
-    ``layout`` forces one of ``LAYOUTS`` (default: the smaller)."""
+    ``layout`` forces one of ``LAYOUTS`` (default: the smaller). CPU tensors take the C++ kernel,
+    CUDA tensors the Triton passes (``triton=False``: torch ops), ``reference=True`` the torch
+    reference; all give the same bytes."""
     a, b = _codes(old, "the old version"), _codes(new, "the new version")
     if a.numel() != b.numel():
         raise DeltaError(f"the versions differ in size: {a.numel()} vs {b.numel()} elements")
@@ -156,7 +171,9 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, layout: str | None = None, r
         return _dense(b)
     force = -1 if layout is None else LAYOUTS.index(layout)
     kernel = None if reference or a.device.type != "cpu" else _kernel()
-    if kernel is None:
+    if not reference and _use_triton(a, triton):
+        d = _encode_triton(a.contiguous(), b.contiguous(), force)
+    elif kernel is None:
         d = _encode_reference(a, b, force)
     else:
         pos, sig, esc, lay, changed, escapes = kernel.encode(a.contiguous(), b.contiguous(), force)
@@ -169,9 +186,10 @@ def _dense(b: torch.Tensor) -> Delta:
     return Delta(b.numel(), "dense", 0, 0, b.contiguous().view(torch.uint8).cpu().clone(), empty, empty)
 
 
-def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False) -> torch.Tensor:
+def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False, triton: bool | None = None) -> torch.Tensor:
     """``held`` (version t, contiguous) becomes version t+1 in place; returns it. After a
-    ``DeltaError`` ``held`` may be partly changed: the holder needs a dense copy again."""
+    ``DeltaError`` ``held`` may be partly changed: the holder needs a dense copy again. The
+    backends as in ``encode``."""
     if not held.is_contiguous():
         raise DeltaError("a delta is applied to a contiguous tensor")
     h = _codes(held, "the held version")
@@ -185,7 +203,9 @@ def apply_(held: torch.Tensor, delta: Delta, *, reference: bool = False) -> torc
         h.copy_(delta.positions.to(h.device).view(torch.int16))
         return held
     kernel = None if reference or h.device.type != "cpu" else _kernel()
-    if kernel is None:
+    if not reference and _use_triton(h, triton) and delta.layout == "bitmap":
+        _apply_triton(h, delta)
+    elif kernel is None:
         _apply_reference(h, delta)
     else:
         try:
@@ -260,39 +280,43 @@ def _encode_reference(a: torch.Tensor, b: torch.Tensor, force: int) -> Delta:
     changed = step != 0
     escape = changed & (step.abs() != 1)
     idx = torch.nonzero(changed).reshape(-1)
-    n, k = a.numel(), idx.numel()
+    esc = torch.nonzero(escape).reshape(-1)
+    return _compose(a.numel(), force, idx, lambda: _packbits(changed), _packbits(step[idx] < 0), esc, step[esc])
+
+
+def _encode_triton(a: torch.Tensor, b: torch.Tensor, force: int) -> Delta:
+    from .backends.triton import delta_launch
+
+    n = a.numel()
+    below = {-1: -(-n // 8), 0: 0, 1: n + 1}[force]  # the gaps layout needs the changed indices
+    c = delta_launch.changes(a, b, indices_below=below)
+    idx = c.indices if c.indices is not None else torch.empty(0, dtype=torch.int64, device=a.device)
+    return _compose(n, force, idx, lambda: c.bitmap, c.signs, c.escape_indices, c.escape_steps, changed=c.changed)
+
+
+def _compose(n: int, force: int, idx, bitmap, signs, esc, esc_step, changed: int | None = None) -> Delta:
+    """A delta from where the changes are (``idx``, or ``bitmap()``), their signs and the escapes:
+    the smaller layout unless ``force`` (0 bitmap, 1 gaps) says which."""
+    k = idx.numel() if changed is None else changed
     bitmap_bytes = -(-n // 8)
     gaps = None
     if force == 1 or (force < 0 and k < bitmap_bytes):
         gaps = _varints(idx - torch.cat([idx.new_full((1,), -1), idx[:-1]]) - 1)
     use_gaps = force == 1 or (force < 0 and gaps is not None and gaps.numel() < bitmap_bytes)
-    positions = gaps if use_gaps and gaps is not None else _packbits(changed)  # gaps exist when used
-    esc = torch.nonzero(escape).reshape(-1)
-    rest = step[esc].to(torch.int64) - torch.sign(step[esc]).to(torch.int64)
+    positions = gaps if use_gaps and gaps is not None else bitmap()  # gaps exist when used
+    rest = esc_step.to(torch.int64) - torch.sign(esc_step).to(torch.int64)
     pairs = torch.stack(
         [esc - torch.cat([esc.new_full((1,), -1), esc[:-1]]) - 1, ((rest << 1) ^ (rest >> 63)) - 1], 1
     ).reshape(-1)
-    return Delta(
-        n,
-        LAYOUTS[int(use_gaps)],
-        k,
-        esc.numel(),
-        positions.cpu(),
-        _packbits(step[idx] < 0).cpu(),
-        _varints(pairs).cpu(),
-    )
+    return Delta(n, LAYOUTS[int(use_gaps)], k, esc.numel(), positions.cpu(), signs.cpu(), _varints(pairs).cpu())
 
 
 def _apply_reference(h: torch.Tensor, delta: Delta) -> None:
     n, k = delta.numel, delta.changed
-    if delta.signs.numel() != (k + 7) // 8:
-        raise DeltaError(f"damaged delta: {delta.signs.numel()} sign bytes for {k} changes")
+    _check_signs(delta)
     if delta.layout == "bitmap":
-        if delta.positions.numel() != -(-n // 8):
-            raise DeltaError(f"damaged delta: a bitmap of {delta.positions.numel()} bytes for {n} elements")
+        _check_bitmap(delta)
         bits = _unpackbits(delta.positions, -(-n // 8) * 8)
-        if bool(bits[n:].any()):
-            raise DeltaError("damaged delta: bitmap bits past the last element")
         idx = torch.nonzero(bits[:n]).reshape(-1)
     else:
         gaps = _unvarints(delta.positions)
@@ -301,9 +325,47 @@ def _apply_reference(h: torch.Tensor, delta: Delta) -> None:
             raise DeltaError("damaged delta: a change past the last element")
     if idx.numel() != k:
         raise DeltaError(f"damaged delta: {idx.numel()} changes where the header says {k}")
+    esc, rest = _escapes(delta)
     signs = _unpackbits(delta.signs, 8 * delta.signs.numel())
-    if bool(signs[k:].any()):
+    _add(h, idx.to(h.device), torch.where(signs[:k], -1, 1).to(h.device))
+    _add(h, esc.to(h.device), rest.to(h.device))
+
+
+def _apply_triton(h: torch.Tensor, delta: Delta) -> None:
+    """The bitmap layout with the Triton passes (the escapes in torch ops): checked like the
+    reference before anything is written."""
+    from .backends.triton import delta_launch
+
+    _check_signs(delta)
+    _check_bitmap(delta)
+    bitmap, signs = delta.positions.to(h.device), delta.signs.to(h.device)
+    starts, k = delta_launch.bitmap_starts(bitmap, delta.numel)
+    if k != delta.changed:
+        raise DeltaError(f"damaged delta: {k} changes where the header says {delta.changed}")
+    esc, rest = _escapes(delta)
+    delta_launch.bitmap_step(h, bitmap, signs, starts)
+    _add(h, esc.to(h.device), rest.to(h.device))
+
+
+def _check_signs(delta: Delta) -> None:
+    k = delta.changed
+    if delta.signs.numel() != (k + 7) // 8:
+        raise DeltaError(f"damaged delta: {delta.signs.numel()} sign bytes for {k} changes")
+    if k % 8 and int(delta.signs[-1]) >> (k % 8):
         raise DeltaError("damaged delta: sign bits past the last change")
+
+
+def _check_bitmap(delta: Delta) -> None:
+    n = delta.numel
+    if delta.positions.numel() != -(-n // 8):
+        raise DeltaError(f"damaged delta: a bitmap of {delta.positions.numel()} bytes for {n} elements")
+    if n % 8 and int(delta.positions[-1]) >> (n % 8):
+        raise DeltaError("damaged delta: bitmap bits past the last element")
+
+
+def _escapes(delta: Delta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The escapes' indices and the rest of their steps (beyond the sign bit's one step)."""
+    n = delta.numel
     pairs = _unvarints(delta.escape_bytes)
     if pairs.numel() != 2 * delta.escapes:
         raise DeltaError(f"damaged delta: {pairs.numel()} escape numbers for {delta.escapes} escapes")
@@ -318,9 +380,7 @@ def _apply_reference(h: torch.Tensor, delta: Delta) -> None:
         or int(z.max()) > 0xFFFF
     ):
         raise DeltaError("damaged delta: an escape out of range")
-    rest = (z >> 1) ^ -(z & 1)
-    _add(h, idx.to(h.device), torch.where(signs[:k], -1, 1).to(h.device))
-    _add(h, esc.to(h.device), rest.to(h.device))
+    return esc, (z >> 1) ^ -(z & 1)
 
 
 def _add(h: torch.Tensor, idx: torch.Tensor, steps: torch.Tensor) -> None:

@@ -1,7 +1,11 @@
-"""Grid-step deltas (dist_sr.numerics.delta): exact for every bit pattern, the C++ kernel byte for
-byte the torch reference, sizes as the format says, damaged deltas refused or caught."""
+"""Grid-step deltas (dist_sr.numerics.delta): exact for every bit pattern, the C++ kernel and the
+Triton passes (in Triton's interpreter here; on the GPU where there is one) byte for byte the torch
+reference, sizes as the format says, damaged deltas refused or caught alike on every path."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -18,6 +22,16 @@ def _kernel_or_skip():
         pytest.skip(f"C++ delta kernel unavailable: {exc}")
 
 
+# The Triton passes run on CPU tensors in Triton's interpreter (tests/conftest.py sets it); on a
+# CUDA device (bench/gpu_check.sh) the same cases run there.
+TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+PATHS = [{}, {"reference": True}] + ([{"triton": True}] if TRITON else [])
+
+
+def test_the_triton_passes_are_checked_here():
+    assert TRITON, "tests/conftest.py runs Triton's interpreter when triton is installed ([dev] extra)"
+
+
 def _codes(values) -> torch.Tensor:
     v = torch.as_tensor(values, dtype=torch.int32) & 0xFFFF
     return (v - ((v >> 15) << 16)).to(torch.int16)
@@ -28,14 +42,14 @@ def _roundtrip(old: torch.Tensor, new: torch.Tensor) -> list[delta.Delta]:
     out = []
     for layout in (None, "bitmap", "gaps", "dense"):
         ref = delta.encode(old, new, layout=layout, reference=True)
-        fast = delta.encode(old, new, layout=layout)
-        assert fast.to_bytes() == ref.to_bytes()
+        for path in PATHS:
+            assert delta.encode(old, new, layout=layout, **path).to_bytes() == ref.to_bytes(), (layout, path)
         wire = delta.Delta.from_bytes(ref.to_bytes())
         assert wire.nbytes == len(ref.to_bytes())
-        for reference in (False, True):
+        for path in PATHS:
             held = old.clone()
-            delta.apply_(held, wire, reference=reference)
-            assert torch.equal(held.view(torch.int16), new.view(torch.int16)), (layout, reference)
+            delta.apply_(held, wire, **path)
+            assert torch.equal(held.view(torch.int16), new.view(torch.int16)), (layout, path)
         out.append(ref)
     return out
 
@@ -52,6 +66,23 @@ def test_random_versions_roundtrip_bitwise_on_every_path(n, p):
     new = old.to(torch.int32) + changed * step
     new = torch.where(changed & jump, torch.randint(0, 1 << 16, (n,), generator=g), new)
     _roundtrip(old.view(torch.bfloat16), _codes(new).view(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_cuda_passes_give_the_reference_bytes_and_versions():
+    g = torch.Generator().manual_seed(11)
+    for n, p in [(1 << 20, 0.26), (1 << 20, 0.008), (4099, 1.0), (5, 0.0), (0, 0.0)]:
+        old = _codes(torch.randint(0, 1 << 16, (n,), generator=g))
+        changed = torch.rand(n, generator=g) < p
+        new = old.to(torch.int32) + changed * torch.where(torch.rand(n, generator=g) < 0.5, 1, -1)
+        new = _codes(torch.where(changed & (torch.rand(n, generator=g) < 0.02), 7, new))
+        for layout in (None, "bitmap", "gaps"):
+            ref = delta.encode(old, new, layout=layout, reference=True)
+            got = delta.encode(old.cuda(), new.cuda(), layout=layout)
+            assert got.to_bytes() == ref.to_bytes(), (n, p, layout)
+            held = old.cuda()
+            delta.apply_(held, delta.Delta.from_bytes(ref.to_bytes()))
+            assert torch.equal(held.cpu(), new), (n, p, layout)
 
 
 def test_adversarial_codes_roundtrip_and_count_as_specified():
@@ -138,16 +169,16 @@ def test_damaged_deltas_are_refused_or_change_the_result():
                 bad = bytearray(wire)
                 bad[offset] ^= 1 << bit
                 outcome = []
-                for reference in (False, True):
+                for path in PATHS:
                     held = old.clone()
                     try:
-                        delta.apply_(held, delta.Delta.from_bytes(bad), reference=reference)
+                        delta.apply_(held, delta.Delta.from_bytes(bad), **path)
                         outcome.append(held)
                     except delta.DeltaError:
                         outcome.append(None)
-                assert (outcome[0] is None) == (outcome[1] is None), (layout, offset, bit)
+                assert len({o is None for o in outcome}) == 1, (layout, offset, bit)
                 if outcome[0] is not None:
-                    assert torch.equal(outcome[0], outcome[1]), (layout, offset, bit)
+                    assert all(torch.equal(outcome[0], o) for o in outcome[1:]), (layout, offset, bit)
                     harmless += torch.equal(outcome[0], new)
                 tried += 1
         assert harmless == 0, (layout, harmless, tried)
