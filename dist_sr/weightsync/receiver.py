@@ -41,7 +41,7 @@ from ..numerics.digest import DTYPES, tensor_sums
 from . import auth
 from .control import MAX_TIMEOUT_S, TIMEOUT_S
 from .plan import SyncPlan
-from .transport import gloo_group, open_store, receive_buckets
+from .transport import BACKENDS, cuda_device, open_store, receive_buckets, transfer_group
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,16 @@ class InitInfo:
     senders: int = 1  # trainer ranks that send: 1 = gather-then-broadcast, M = shard-direct
     generation: int = 0  # bumped whenever the fleet is rebuilt
     timeout_s: float = TIMEOUT_S
+    backend: str = "gloo"  # gloo (host memory) or nccl (CUDA devices on both sides)
     auth: dict | None = None  # the trainer's signature over the fields above (weightsync.auth)
 
     def fields(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "auth"}
+        """What the signature covers: every field but ``auth``, and ``backend`` only when it is not
+        gloo (so an init from a trainer that names no backend verifies as before)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "auth"}
+        if out["backend"] == "gloo":
+            del out["backend"]
+        return out
 
     def check(self) -> None:
         """Values a receiver can act on (raise ``ValueError`` naming the field otherwise)."""
@@ -78,6 +84,8 @@ class InitInfo:
         t = self.timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0 < t <= MAX_TIMEOUT_S):
             raise ValueError(f"init_info.timeout_s={t!r}: expected seconds in (0, {MAX_TIMEOUT_S:.0f}]")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"init_info.backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.rank_offset >= self.world_size:
             raise ValueError(f"init_info.rank_offset={self.rank_offset} is not below world_size={self.world_size}")
 
@@ -116,10 +124,14 @@ class WeightReceiver:
         rank = info.rank_offset + worker_index
         if rank >= info.world_size:
             raise ValueError(f"worker rank {rank} is outside the group's world of {info.world_size}")
+        if info.backend == "nccl":
+            cuda_device("this engine")  # refuse by name before joining anything
         store = open_store(info.master_address, info.master_port, is_master=False, timeout_s=info.timeout_s)
         prefix = auth.store_prefix(self.verifier.secret)
         groups = {
-            m: gloo_group(store, info.generation, m, rank, info.world_size, info.timeout_s, prefix=prefix)
+            m: transfer_group(
+                store, info.generation, m, rank, info.world_size, info.timeout_s, prefix=prefix, backend=info.backend
+            )
             for m in range(info.senders)
         }
         self.shutdown()
@@ -204,6 +216,7 @@ class WeightReceiver:
 
     def _apply(self, bucket, buffers) -> list[tuple[str, torch.Tensor]]:
         """A delta bucket applied to the kept tensors; the updated tensors, full shape."""
+        buffers = {src: b.cpu() for src, b in buffers.items()}  # the kept copy is in host memory
         cursor = dict.fromkeys(buffers, 0)
         out = []
         for t in bucket.tensors:

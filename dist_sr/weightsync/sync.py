@@ -36,7 +36,7 @@ from ..sources import WeightSource, add_rank_sums, layout_free_digest
 from . import auth
 from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, NoReadyEngineError
 from .plan import Span, SyncPlan, TensorPlan, make_buckets
-from .transport import Packer, broadcast, gloo_group, open_store, send_sized
+from .transport import BACKENDS, Packer, broadcast, open_store, send_sized, transfer_group
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,13 @@ class WeightSync:
         trainer_group=None,
         secret: bytes | None = None,
         delta: bool = False,
+        backend: str = "auto",
     ):
         if transport not in ("broadcast", "shard-direct"):
             raise ValueError(f"unknown transport {transport!r}; choose broadcast or shard-direct")
+        if backend not in ("auto", *BACKENDS):
+            raise ValueError(f"unknown weight-transfer backend {backend!r}; choose auto, {', '.join(BACKENDS)}")
+        self.backend = backend  # auto: nccl when this rank's weights are on a CUDA device, else gloo
         self.source, self.transport = source, transport
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout_s = timeout_s
@@ -159,6 +163,7 @@ class WeightSync:
         if self.rank == 0 and self.store is None:
             self.store = open_store(self.group_host, self.group_port, is_master=True, timeout_s=self.timeout_s)
         failed, threads = [], []
+        backend = self._backend()
         if self.rank == 0:
             offset = 1
             for url, workers in members:
@@ -170,6 +175,7 @@ class WeightSync:
                     "senders": self.senders,
                     "generation": self.generation,
                     "timeout_s": self.timeout_s,
+                    **({"backend": backend} if backend != "gloo" else {}),  # gloo unless named (InitInfo)
                 }
                 offset += workers
                 threads.append(self._call_async(lambda c=controls[url], i=info: c.init_transfer(i), failed))
@@ -180,14 +186,30 @@ class WeightSync:
                 else open_store(self.group_host, self.group_port, is_master=False, timeout_s=self.timeout_s)
             )
             try:
-                self.groups[self.rank] = gloo_group(
-                    store, self.generation, self.rank, 0, world, self.timeout_s, prefix=self.store_prefix
+                self.groups[self.rank] = transfer_group(
+                    store,
+                    self.generation,
+                    self.rank,
+                    0,
+                    world,
+                    self.timeout_s,
+                    prefix=self.store_prefix,
+                    backend=backend,
                 )
             except RuntimeError as exc:
                 failed.append(f"trainer rank {self.rank}: {exc}")
         for t in threads:
             t.join()
         return failed
+
+    def _backend(self) -> str:
+        """The group's backend: as configured, or (auto) nccl when the weights are on CUDA. Every
+        rank decides alike (a job's weights are all on one kind of device)."""
+        if self.backend != "auto":
+            return self.backend
+        metas = self.source.metadata()
+        pieces = self.source.local_pieces([metas[0][0]]) if metas else []
+        return "nccl" if any(p.bits.device.type == "cuda" for p in pieces) else "gloo"
 
     @staticmethod
     def _call_async(call, failures: list):
@@ -357,7 +379,7 @@ class WeightSync:
                             self.groups[self.rank], torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
                         )
                     else:
-                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank))
+                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank), self.groups[self.rank].device)
                         work, nbytes = broadcast(self.groups[self.rank], buf), buf.numel()
                     sent += nbytes
                     if self.delta:

@@ -1,5 +1,8 @@
-"""The weight-transfer groups: one gloo group per sending trainer rank, stateless (independent of
+"""The weight-transfer groups: one group per sending trainer rank, stateless (independent of
 ``torch.distributed``'s default group, which trainer and engines each already use for themselves).
+A group is a ``Channel``: gloo with buffers in host memory, or NCCL with buffers on the current
+CUDA device; everything below takes the channel and allocates where it says, so both backends
+run the same code (no CUDA call outside ``transfer_group`` and ``cuda_device``).
 
 Group ``m`` holds trainer rank ``m`` (as group rank 0) and every engine worker (group ranks
 ``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store, listening
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -66,24 +70,71 @@ def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> di
     )
 
 
-def gloo_group(store: dist.Store, generation: int, src: int, rank: int, world: int, timeout_s: float, *, prefix: str):
-    """Group ``src`` of ``generation``: ``rank`` among ``world`` members; ``prefix`` from
-    ``auth.store_prefix``."""
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One transfer group and the device its buffers live on."""
+
+    group: object
+    device: torch.device
+
+    @property
+    def backend(self) -> str:
+        return "gloo" if self.device.type == "cpu" else "nccl"
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def cuda_device(what: str = "this process") -> torch.device:
+    """The current CUDA device, or a ``ValueError`` naming the fix."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"the weight-transfer backend 'nccl' needs a CUDA device, and {what} has none: use "
+            "rollout.vllm.backend: gloo (or auto, which picks gloo for CPU tensors)"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def transfer_group(
+    store: dist.Store,
+    generation: int,
+    src: int,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    *,
+    prefix: str,
+    backend: str = "gloo",
+) -> Channel:
+    """Group ``src`` of ``generation`` on ``backend``: ``rank`` among ``world`` members; ``prefix``
+    from ``auth.store_prefix``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    device = cuda_device() if backend == "nccl" else torch.device("cpu")
     prefixed = dist.PrefixStore(f"{prefix}/{generation}/group{src}", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout  # a collective that never returns is aborted by NCCL's watchdog
+        return Channel(dist.ProcessGroupNCCL(prefixed, rank, world, opts), device)
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     if iface:
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timedelta(seconds=timeout_s)
+        opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
-        return dist.ProcessGroupGloo(prefixed, rank, world, opts)
-    return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+        return Channel(dist.ProcessGroupGloo(prefixed, rank, world, opts), device)
+    return Channel(dist.ProcessGroupGloo(prefixed, rank, world, timeout), device)
 
 
-def broadcast(group, buffer: torch.Tensor):
-    """Start a broadcast of ``buffer`` from group rank 0 (the trainer); returns the work handle."""
+def broadcast(channel: Channel, buffer: torch.Tensor):
+    """Start a broadcast of ``buffer`` (on the channel's device) from group rank 0 (the trainer);
+    returns the work handle (on NCCL, waiting orders the current stream after it)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    return group.broadcast([buffer], opts)
+    return channel.group.broadcast([buffer], opts)
 
 
 class Packer:
@@ -93,14 +144,15 @@ class Packer:
     def __init__(self):
         self._staging: torch.Tensor | None = None
 
-    def pack(self, chunks: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+    def pack(self, chunks: list[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
+        """The chunks as one byte buffer on ``device`` (the channel's)."""
         size = sum(c.numel() * c.element_size() for c in chunks)
         if size != nbytes:
             raise RuntimeError(f"bucket buffer has {size} bytes, the plan says {nbytes}")
-        if len(chunks) == 1 and chunks[0].is_contiguous():
+        if len(chunks) == 1 and chunks[0].is_contiguous() and chunks[0].device == device:
             return chunks[0].reshape(-1).view(torch.uint8)
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        if self._staging is None or self._staging.numel() < nbytes or self._staging.device != device:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
         buf, at = self._staging[:nbytes], 0
         for c in chunks:
             b = c.reshape(-1).contiguous().view(torch.uint8)
@@ -109,26 +161,26 @@ class Packer:
         return buf
 
 
-def post_bucket(groups: dict, bucket: Bucket):
+def post_bucket(channels: dict[int, Channel], bucket: Bucket):
     """Engine side: start receiving every source's buffer of ``bucket`` (returns buffers, works)."""
     buffers, works = {}, []
     for src in bucket.sources():
-        buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8)
-        works.append(broadcast(groups[src], buffers[src]))
+        buffers[src] = torch.empty(bucket.nbytes(src), dtype=torch.uint8, device=channels[src].device)
+        works.append(broadcast(channels[src], buffers[src]))
     return buffers, works
 
 
-def post_sizes(groups: dict, bucket: Bucket) -> dict:
+def post_sizes(channels: dict[int, Channel], bucket: Bucket) -> dict:
     """Engine side of a delta bucket: start receiving each source's buffer length (it precedes
     the buffer); ``post_sized`` waits for them."""
     sizes = {}
     for src in bucket.sources():
-        size = torch.zeros(1, dtype=torch.int64)
-        sizes[src] = (size, broadcast(groups[src], size))
+        size = torch.zeros(1, dtype=torch.int64, device=channels[src].device)
+        sizes[src] = (size, broadcast(channels[src], size))
     return sizes
 
 
-def post_sized(groups: dict, bucket: Bucket, sizes: dict):
+def post_sized(channels: dict[int, Channel], bucket: Bucket, sizes: dict):
     """Engine side of a delta bucket: wait for the lengths ``post_sizes`` started receiving,
     check them against the bucket, and start receiving the buffers (returns buffers, works)."""
     buffers, works = {}, []
@@ -137,16 +189,17 @@ def post_sized(groups: dict, bucket: Bucket, sizes: dict):
         spans = sum(1 for t in bucket.tensors for p in t.spans if p.src == src)
         if not 0 <= int(size) <= 16 * bucket.nbytes(src) + 128 * spans + 2**16:
             raise RuntimeError(f"delta bucket from trainer rank {src} claims {int(size)} bytes")
-        buffers[src] = torch.empty(int(size), dtype=torch.uint8)
-        works.append(broadcast(groups[src], buffers[src]))
+        buffers[src] = torch.empty(int(size), dtype=torch.uint8, device=channels[src].device)
+        works.append(broadcast(channels[src], buffers[src]))
     return buffers, works
 
 
-def send_sized(group, payload: torch.Tensor):
+def send_sized(channel: Channel, payload: torch.Tensor):
     """Trainer side of a sized buffer: its length, then the bytes. Returns (the bytes sent, the
     payload's work handle: wait on it before ``payload`` is reused)."""
-    broadcast(group, torch.tensor([payload.numel()], dtype=torch.int64)).wait()
-    return 8 + payload.numel(), broadcast(group, payload)
+    payload = payload.to(channel.device)
+    broadcast(channel, torch.tensor([payload.numel()], dtype=torch.int64, device=channel.device)).wait()
+    return 8 + payload.numel(), broadcast(channel, payload)
 
 
 def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
@@ -165,7 +218,7 @@ def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
             cursor[p.src] += t.numel * item
             out.append((t.name, raw.view(dtype).view(t.shape)))
             continue
-        full = torch.empty(t.numel, dtype=dtype)
+        full = torch.empty(t.numel, dtype=dtype, device=buffers[t.spans[0].src].device)
         for p in t.spans:
             n = (p.end - p.start) * item
             full[p.start : p.end] = buffers[p.src][cursor[p.src] : cursor[p.src] + n].view(dtype)
@@ -174,7 +227,7 @@ def finish_bucket(bucket: Bucket, posted) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def receive_buckets(groups: dict, buckets: list[Bucket], sized: bool = False):
+def receive_buckets(channels: dict[int, Channel], buckets: list[Bucket], sized: bool = False):
     """Yield each bucket's tensors, receiving the next bucket while the caller loads this one.
 
     ``sized`` (delta buckets, whose lengths are known only when they are sent): yield each
@@ -182,17 +235,17 @@ def receive_buckets(groups: dict, buckets: list[Bucket], sized: bool = False):
     are posted before the caller decodes this one, so the trainer encodes bucket i + 1 while the
     engine decodes bucket i."""
     if not sized:
-        posted = post_bucket(groups, buckets[0]) if buckets else None
+        posted = post_bucket(channels, buckets[0]) if buckets else None
         for i, bucket in enumerate(buckets):
             current = posted
-            posted = post_bucket(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
+            posted = post_bucket(channels, buckets[i + 1]) if i + 1 < len(buckets) else None
             yield finish_bucket(bucket, current)
         return
-    posted = post_sized(groups, buckets[0], post_sizes(groups, buckets[0])) if buckets else None
+    posted = post_sized(channels, buckets[0], post_sizes(channels, buckets[0])) if buckets else None
     for i in range(len(buckets)):
         buffers, works = posted
-        sizes = post_sizes(groups, buckets[i + 1]) if i + 1 < len(buckets) else None
+        sizes = post_sizes(channels, buckets[i + 1]) if i + 1 < len(buckets) else None
         for w in works:
             w.wait()
         yield buffers
-        posted = post_sized(groups, buckets[i + 1], sizes) if sizes is not None else None
+        posted = post_sized(channels, buckets[i + 1], sizes) if sizes is not None else None

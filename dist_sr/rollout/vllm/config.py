@@ -8,6 +8,7 @@ from ...config import ConfigError
 from ...weightsync.control import GROUP_PORT, TIMEOUT_S
 
 TRANSPORTS = ("broadcast", "shard-direct")
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -22,6 +23,7 @@ class FleetConfig:
     group_host: str | None = None  # address engines use to reach trainer rank 0 (default: this host)
     transport: str = "broadcast"  # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
     bucket_mb: float = 64.0  # gather/send granularity
+    backend: str = "auto"  # the groups' backend: auto (nccl when the trainer's weights are on CUDA), gloo, nccl
     delta_sync: bool = False  # grid-step deltas after the first verified sync (host copy of the weights kept)
     timeout_s: float = TIMEOUT_S  # per collective and per HTTP call; an engine that exceeds it is dropped
     snapshot_dir: str | None = None  # versioned safetensors snapshots, for engines that (re)start
@@ -38,6 +40,10 @@ class FleetConfig:
         if self.transport not in TRANSPORTS:
             raise ConfigError(
                 f"rollout.vllm.transport: unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}"
+            )
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"rollout.vllm.backend: unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}"
             )
         if self.replicas < 1 or self.tensor_parallel_size < 1:
             raise ConfigError("rollout.vllm.replicas and rollout.vllm.tensor_parallel_size must be >= 1")

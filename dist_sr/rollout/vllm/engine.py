@@ -75,6 +75,7 @@ class VLLMFleetEngine:
             group_host=host,
             group_port=fleet_cfg.group_port,
             delta=fleet_cfg.delta_sync,
+            backend=fleet_cfg.backend,
         )
         return cls(
             sync,
