@@ -76,16 +76,17 @@ def sparse_patch(name: str, old: torch.Tensor, new: torch.Tensor, full_shape, st
 
 class SparseExport:
     """The trainer side of a peer's delta sync: ``patches()`` returns, for every tensor this rank
-    holds a piece of, the elements that changed since the previous call (None on the first call:
-    that sync must be dense). Keeps a host copy of this rank's 16-bit pieces."""
+    holds a piece of, the elements that changed since the previous call (None on the first call
+    and after ``reset()``: that sync must be dense). Keeps a host copy of this rank's 16-bit pieces."""
 
     def __init__(self, source):
         self.source = source
         self.held: dict[tuple[str, int], torch.Tensor] = {}
+        self.exported = False  # whether ``held`` is a version the peer received
 
     def patches(self) -> list[SparsePatch] | None:
         metas = {m[0]: tuple(m[2]) for m in self.source.metadata()}
-        first = not self.held
+        first, self.exported = not self.exported, True
         out: list[SparsePatch] = []
         for p in self.source.local_pieces(list(metas)):
             if p.end <= p.start:
@@ -100,6 +101,10 @@ class SparseExport:
             else:
                 held.copy_(bits)
         return None if first else out
+
+    def reset(self) -> None:
+        """After a sync the peer did not complete: the next ``patches()`` is None (a dense sync)."""
+        self.exported = False
 
 
 def to_vllm(patches: list[SparsePatch]) -> list:

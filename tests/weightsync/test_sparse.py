@@ -56,6 +56,9 @@ def test_pairs_reproduce_sr_steps_and_special_values_bit_for_bit_from_two_shard_
         assert torch.equal(_apply_like_the_peers(old[n], mine).view(torch.int16), t.detach().view(torch.int16)), n
     changed = sum(p.indices.numel() for p in patches) / sum(t.numel() for t in old.values())
     assert 0.05 < changed < 0.6  # an Adam-sized step under SR moves a sizeable share
+    assert all(p.indices.numel() == 0 for e in exports for p in e.patches())  # nothing moved since
+    exports[0].reset()  # the peer missed a sync: the next one is dense
+    assert exports[0].patches() is None and exports[1].patches() is not None
 
 
 def test_a_weight_that_becomes_nan_is_refused_by_name_and_dense_pieces_say_so():
