@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared script for a lent GPU machine (about 6 minutes on an H200): the
-# launch-shape sweep, the optimizer-step and kernels benchmarks with the chosen shapes, the delta
-# codec's speed, then the
-# CUDA tests (bitwise against the CPU reference, no host synchronisation in a step, steps replayed
-# from a CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
+# The GPU check, one prepared script for a lent GPU machine (about 6 minutes on an H200 before the
+# training-step and delta-codec stages were added; those are new and not yet timed there): the
+# launch-shape sweep, the optimizer-step and kernels benchmarks with the chosen shapes, one whole
+# training step (bench/train_step.py; its DeepSpeed rows need .gpu-wheels/ from
+# scripts/gpu_wheels.sh, carried with the call), the delta codec's speed, then the CUDA tests
+# (bitwise against the CPU reference, no host synchronisation in a step, steps replayed from a
+# CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
 # Run from the repository root:  bash bench/gpu_check.sh
 # GPU_CHECK_QUICK=1 (about 4 minutes, for a short device budget): the optimizer step, the SR cast at
 # 2^26 and 2^28, and the Triton CUDA tests, most important first, with the committed launch shapes.
@@ -14,6 +16,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # the CPU side of the CUDA-vs-CPU tests uses the pure-torch reference (same bits) instead of
 # compiling the C++ kernel on this machine
 export DIST_SR_DISABLE_CPU_KERNEL=1
+if [ -d .gpu-wheels ]; then  # DeepSpeed and what it needs, carried (scripts/gpu_wheels.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu-wheels/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.mem,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 if [ -n "${GPU_CHECK_QUICK:-}" ]; then
@@ -33,6 +39,9 @@ timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer
 timeout 70 python3 bench/kernel_speed.py --device cuda --sizes 20 24 26 28 --rounds 7 --json "$out/kernels-cuda.json" 2>&1 \
   | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
 timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
+# one whole training step (~320M params): ZeRO-2/3 SR off vs on, FSDP2 torch MPP vs dist-sr
+timeout 240 python3 bench/train_step.py --device cuda --hidden 1024 --layers 24 --batch 8 --seq 512 2>&1 \
+  | grep -v Warning | tee "$out/gpu-train-step.md" | grep -E "^#|^\|"
 # the grid-step delta codec's Triton passes at 2^26 and 2^28 elements, beside a device copy
 timeout 60 python3 bench/delta_sync.py --device cuda 2>&1 | grep -v Warning | tee "$out/gpu-delta-codec.md"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
