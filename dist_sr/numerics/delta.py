@@ -31,6 +31,7 @@ but still well-formed yields other weights, which a sync's digest catches.
 
 from __future__ import annotations
 
+import importlib.util
 import struct
 from dataclasses import dataclass
 
@@ -145,9 +146,11 @@ def _kernel():
 
 
 def _use_triton(t: torch.Tensor, triton: bool | None) -> bool:
-    """The Triton passes for CUDA tensors (``triton=None``), or wherever asked (``TRITON_INTERPRET=1``
-    runs them on CPU tensors)."""
-    return t.device.type == "cuda" if triton is None else triton
+    """The Triton passes for CUDA tensors when Triton is installed (``triton=None``; torch ops on
+    the device otherwise), or wherever asked (``TRITON_INTERPRET=1`` runs them on CPU tensors)."""
+    if triton is None:
+        return t.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return triton
 
 
 def encode(
