@@ -25,44 +25,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def tiny_llama(hidden: int, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 8 * 8,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+from bench.common import deepspeed_step, tiny_llama  # noqa: E402
 
 
 def deepspeed_engine(model, sr: bool):
-    from dist_sr.engines import deepspeed as dsr
-
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**6,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
-    }
-    if sr:
-        config["stochastic_rounding"] = {"enabled": True, "seed": 1, "mode": "stochastic"}
-    engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-    def step(ids):
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-
-    return step
+    return deepspeed_step(model, stage=2, sr=sr)
 
 
 def fsdp2_step_fn(model, sr: bool):

@@ -33,47 +33,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import synchronize  # noqa: E402
+from bench.common import deepspeed_step, synchronize, tiny_llama  # noqa: E402
+
+VOCAB = 8192
 
 
-def tiny_llama(hidden: int, layers: int, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device)
+def model(args):
+    return tiny_llama(args.hidden, args.layers, vocab=VOCAB, positions=1024, device=args.device, align=64)
 
 
-def deepspeed_step(stage: int, sr: bool, args):
-    from dist_sr.engines import deepspeed as dsr
-
-    model = tiny_llama(args.hidden, args.layers, args.device)
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**6,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
-    }
-    if sr:
-        config["stochastic_rounding"] = {"enabled": True, "seed": 1, "mode": "stochastic"}
-    engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-    def step(ids):
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-
-    return step
+def deepspeed_variant(stage: int, sr: bool, args):
+    return deepspeed_step(model(args), stage=stage, sr=sr, batch=args.batch)
 
 
 def fsdp2_step(variant: str, args):
@@ -81,7 +51,7 @@ def fsdp2_step(variant: str, args):
 
     from dist_sr.engines import fsdp2
 
-    model = tiny_llama(args.hidden, args.layers, args.device)
+    net = model(args)
     ctx = None
     if variant != "torch bf16 MixedPrecisionPolicy":
         ctx = fsdp2.prepare(
@@ -95,7 +65,7 @@ def fsdp2_step(variant: str, args):
         ctx.track(opt)
 
     def step(ids):
-        model(input_ids=ids, labels=ids).loss.backward()
+        net(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
 
@@ -105,11 +75,11 @@ def fsdp2_step(variant: str, args):
 FAMILIES = {
     "zero2": (
         "DeepSpeed ZeRO-2",
-        {"SR off": lambda a: deepspeed_step(2, False, a), "SR on": lambda a: deepspeed_step(2, True, a)},
+        {"SR off": lambda a: deepspeed_variant(2, False, a), "SR on": lambda a: deepspeed_variant(2, True, a)},
     ),
     "zero3": (
         "DeepSpeed ZeRO-3",
-        {"SR off": lambda a: deepspeed_step(3, False, a), "SR on": lambda a: deepspeed_step(3, True, a)},
+        {"SR off": lambda a: deepspeed_variant(3, False, a), "SR on": lambda a: deepspeed_variant(3, True, a)},
     ),
     "fsdp2": (
         "FSDP2",
@@ -144,7 +114,7 @@ def profile_counts(step, ids) -> dict:
 
 
 def run(args) -> dict:
-    ids = torch.randint(0, 8192, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    ids = torch.randint(0, VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(args.device)
     out = {}
     for key in args.engines:
         title, variants = FAMILIES[key]
@@ -203,7 +173,7 @@ def main(argv=None) -> int:
         results = run(args)
     finally:
         dist.destroy_process_group()
-    n = sum(p.numel() for p in tiny_llama(args.hidden, args.layers, "meta").parameters())
+    n = sum(p.numel() for p in tiny_llama(args.hidden, args.layers, vocab=VOCAB, align=64, device="meta").parameters())
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# one training step, Llama-shaped model of {n / 1e6:.1f}M params, batch {args.batch}x{args.seq}, {where}\n")
     cuda = args.device == "cuda"

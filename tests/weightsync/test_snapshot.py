@@ -59,6 +59,17 @@ def _loaded(path) -> dict:
     return out
 
 
+def _write(tiny, root, versions, **options) -> dict:
+    """Keyed-SR versions of the tiny model written as snapshots (deltas on); each version's bits."""
+    model, tok = tiny
+    snaps = Snapshots(root, model.config, tok, bucket_mb=0.1, deltas=True, **options)
+    states = {}
+    for v, bits in _sr_versions(model, versions):
+        snaps.write(ReplicatedSource(model), v)
+        states[v] = bits
+    return states
+
+
 @pytest.fixture
 def tiny(tmp_path):
     model_dir = save_tiny_model(tmp_path / "m")
@@ -69,20 +80,15 @@ def tiny(tmp_path):
 
 def test_a_restarted_engine_catches_up_from_a_base_and_deltas_on_disk_bit_for_bit(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("DIST_SR_SYNC_SECRET", "s" * 32)
-    model, tok = tiny
-    source, root = ReplicatedSource(model), tmp_path / "snapshots"
-    snaps = Snapshots(root, model.config, tok, bucket_mb=0.1, deltas=True)
-    states = {}
-    for v, bits in _sr_versions(model, range(6)):
-        snaps.write(source, v)
-        states[v] = bits
+    root = tmp_path / "snapshots"
+    states = _write(tiny, root, range(6))
     assert _versions(root, "v") == [0] and _versions(root / CHAIN, "v") == list(range(1, 6))
     base = sum(f.stat().st_size for f in (root / "v0").glob("*.safetensors"))
     for v in range(1, 6):  # SR moves ~1/4 of the weights one grid step: a delta is ~1/13 of the weights
         assert (root / CHAIN / f"v{v}" / "rank00000.bin").stat().st_size < base / 8
     got = materialize(root, tmp_path / "engine")
     assert (got.version, got.base, got.deltas, got.refused) == (5, 0, 5, ())
-    assert got.digest == layout_free_digest(source, 1)  # what a sync of version 5 verifies
+    assert got.digest == layout_free_digest(ReplicatedSource(tiny[0]), 1)  # what a sync of version 5 verifies
     assert _bits_equal(_loaded(got.path), states[5])
     served = AutoModelForCausalLM.from_pretrained(got.path)  # what an engine starts from
     assert served.dtype == torch.bfloat16
@@ -91,13 +97,8 @@ def test_a_restarted_engine_catches_up_from_a_base_and_deltas_on_disk_bit_for_bi
 
 
 def test_a_damaged_delta_stops_the_catch_up_at_the_last_version_that_verifies(tiny, tmp_path):
-    model, tok = tiny
-    source, root = ReplicatedSource(model), tmp_path / "snapshots"
-    snaps = Snapshots(root, model.config, tok, bucket_mb=0.1, deltas=True)
-    states = {}
-    for v, bits in _sr_versions(model, range(6)):
-        snaps.write(source, v)
-        states[v] = bits
+    root = tmp_path / "snapshots"
+    states = _write(tiny, root, range(6))
     blob = root / CHAIN / "v4" / "rank00000.bin"
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -113,13 +114,8 @@ def test_a_damaged_delta_stops_the_catch_up_at_the_last_version_that_verifies(ti
 
 
 def test_a_damaged_base_falls_back_to_the_previous_base_and_its_chain(tiny, tmp_path):
-    model, tok = tiny
-    source, root = ReplicatedSource(model), tmp_path / "snapshots"
-    snaps = Snapshots(root, model.config, tok, bucket_mb=0.1, deltas=True, base_every=3)
-    states = {}
-    for v, bits in _sr_versions(model, range(9)):
-        snaps.write(source, v)
-        states[v] = bits
+    root = tmp_path / "snapshots"
+    states = _write(tiny, root, range(9), base_every=3)
     assert _versions(root, "v") == [3, 6] and _versions(root / CHAIN, "v") == [4, 5, 7, 8]  # pruned with v0
     assert materialize(root, tmp_path / "a").version == 8
     shard = sorted((root / "v6").glob("*.safetensors"))[0]
@@ -133,11 +129,8 @@ def test_snapshots_signed_by_the_job_are_refused_without_its_secret_and_forgerie
     tiny, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("DIST_SR_SYNC_SECRET", "s" * 32)
-    model, tok = tiny
-    source, root = ReplicatedSource(model), tmp_path / "snapshots"
-    snaps = Snapshots(root, model.config, tok, bucket_mb=0.1, deltas=True)
-    for v, _ in _sr_versions(model, range(3)):
-        snaps.write(source, v)
+    root = tmp_path / "snapshots"
+    _write(tiny, root, range(3))
     monkeypatch.setenv("DIST_SR_SYNC_SECRET", "t" * 32)  # another job's secret: nothing verifies
     with pytest.raises(SnapshotError, match="signature does not match"):
         materialize(root, tmp_path / "engine")
