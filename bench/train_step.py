@@ -54,13 +54,12 @@ def fsdp2_step(variant: str, args):
     net = model(args)
     ctx = None
     if variant != "torch bf16 MixedPrecisionPolicy":
-        ctx = fsdp2.prepare(
-            model, seed=1, mode="nearest" if variant == "dist-sr bf16 (keyed nearest)" else "stochastic"
-        )
-    for block in model.model.layers:
+        mode = "nearest" if variant == "dist-sr bf16 (keyed nearest)" else "stochastic"
+        ctx = fsdp2.prepare(net, seed=1, mode=mode)
+    for block in net.model.layers:
         fully_shard(block, mp_policy=fsdp2.MIXED_PRECISION)
-    fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    fully_shard(net, mp_policy=fsdp2.MIXED_PRECISION)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-5, foreach=True)
     if ctx is not None:
         ctx.track(opt)
 

@@ -1,0 +1,24 @@
+"""The whole-step benchmark (bench/train_step.py) keeps running on the CPU, where its host cost is
+measured, so the GPU check that runs it on a lent machine does not find it broken there."""
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_the_train_step_bench_steps_every_fsdp2_variant_on_the_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "train_step.py"), "--engines", "fsdp2", "--steps", "1"]
+        + ["--warmup", "0", "--hidden", "64", "--layers", "1", "--seq", "16", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]["FSDP2"]
+    assert set(rows) == {"torch bf16 MixedPrecisionPolicy", "dist-sr bf16 (keyed nearest)", "dist-sr bf16-sr"}
+    assert all(row["step_ms"] > 0 for row in rows.values())
