@@ -3,7 +3,8 @@
 # training-step and delta-codec stages were added; those are new and not yet timed there): the
 # launch-shape sweep, the optimizer-step and kernels benchmarks with the chosen shapes, one whole
 # training step (bench/train_step.py; its DeepSpeed rows need .gpu-wheels/ from
-# scripts/gpu_wheels.sh, carried with the call), the delta codec's speed, then the CUDA tests
+# scripts/gpu_wheels.sh, carried with the call), the delta codec's speed, a colocated sync over
+# CUDA IPC (bench/ipc_sync.py), then the CUDA tests
 # (bitwise against the CPU reference, no host synchronisation in a step, steps replayed from a
 # CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
 # Run from the repository root:  bash bench/gpu_check.sh
@@ -29,7 +30,8 @@ if [ -n "${GPU_CHECK_QUICK:-}" ]; then
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
   timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-    tests/numerics/test_digest.py tests/numerics/test_delta.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+    tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py 2>&1 \
+    | tee "$out/gpu-tests.log" | tail -25
   exit 0
 fi
 timeout 75 python3 bench/triton_tune.py --env "$out/tuned.env" 2>&1 | tee "$out/gpu-tune.md"
@@ -44,5 +46,8 @@ timeout 240 python3 bench/train_step.py --device cuda --hidden 1024 --layers 24 
   | grep -v Warning | tee "$out/gpu-train-step.md" | grep -E "^#|^\|"
 # the grid-step delta codec's Triton passes at 2^26 and 2^28 elements, beside a device copy
 timeout 60 python3 bench/delta_sync.py --device cuda 2>&1 | grep -v Warning | tee "$out/gpu-delta-codec.md"
+# a colocated engine on the same GPU: sync over CUDA IPC and over gloo beside a device copy
+timeout 90 python3 bench/ipc_sync.py --mb 1024 --bucket-mb 256 2>&1 | grep -v Warning | tee "$out/gpu-ipc-sync.md"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-  tests/numerics/test_digest.py tests/numerics/test_delta.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py 2>&1 \
+  | tee "$out/gpu-tests.log" | tail -25

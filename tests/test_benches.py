@@ -22,3 +22,16 @@ def test_the_train_step_bench_steps_every_fsdp2_variant_on_the_cpu(tmp_path):
     rows = json.loads(out.read_text())["results"]["FSDP2"]
     assert set(rows) == {"torch bf16 MixedPrecisionPolicy", "dist-sr bf16 (keyed nearest)", "dist-sr bf16-sr"}
     assert all(row["step_ms"] > 0 for row in rows.values())
+
+
+def test_the_colocated_sync_bench_runs_ipc_and_gloo_into_a_receiver_process(tmp_path):
+    """bench/ipc_sync.py (in bench/gpu_check.sh, CUDA IPC there): here over shared memory."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ipc_sync.py"), "--mb", "1", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all(f"  {row}" in r.stdout for row in ("device copy", "sync ipc", "sync gloo")), r.stdout

@@ -55,7 +55,7 @@ class InitInfo:
     senders: int = 1  # trainer ranks that send: 1 = gather-then-broadcast, M = shard-direct
     generation: int = 0  # bumped whenever the fleet is rebuilt
     timeout_s: float = TIMEOUT_S
-    backend: str = "gloo"  # gloo (host memory) or nccl (CUDA devices on both sides)
+    backend: str = "gloo"  # gloo (host memory), nccl (CUDA devices on both sides) or ipc (colocated)
     auth: dict | None = None  # the trainer's signature over the fields above (weightsync.auth)
 
     def fields(self) -> dict:

@@ -379,7 +379,7 @@ class WeightSync:
                             self.groups[self.rank], torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
                         )
                     else:
-                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank), self.groups[self.rank].device)
+                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank), self.groups[self.rank])
                         work, nbytes = broadcast(self.groups[self.rank], buf), buf.numel()
                     sent += nbytes
                     if self.delta:

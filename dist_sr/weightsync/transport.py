@@ -1,8 +1,10 @@
 """The weight-transfer groups: one group per sending trainer rank, stateless (independent of
 ``torch.distributed``'s default group, which trainer and engines each already use for themselves).
-A group is a ``Channel``: gloo with buffers in host memory, or NCCL with buffers on the current
-CUDA device; everything below takes the channel and allocates where it says, so both backends
-run the same code (no CUDA call outside ``transfer_group`` and ``cuda_device``).
+A group is a ``Channel``: gloo with buffers in host memory, NCCL with buffers on the current
+CUDA device, or ``ipc`` for engines colocated with the trainer (``weightsync.ipc``: handles to a
+shared buffer, CUDA IPC on a GPU, shared memory on a host); everything below takes the channel
+and allocates where it says, so every backend runs the same code (no CUDA call outside
+``transfer_group`` and ``cuda_device``).
 
 Group ``m`` holds trainer rank ``m`` (as group rank 0) and every engine worker (group ranks
 ``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store, listening
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..numerics.digest import DTYPES
+from .ipc import IpcGroup
 from .plan import Bucket
 
 
@@ -70,7 +73,7 @@ def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> di
     )
 
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "ipc")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class Channel:
 
     @property
     def backend(self) -> str:
+        if isinstance(self.group, IpcGroup):
+            return "ipc"
         return "gloo" if self.device.type == "cpu" else "nccl"
 
     def shutdown(self) -> None:
@@ -113,9 +118,14 @@ def transfer_group(
     from ``auth.store_prefix``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    device = cuda_device() if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl" or (backend == "ipc" and torch.cuda.is_available()):
+        device = cuda_device()
+    else:
+        device = torch.device("cpu")
     prefixed = dist.PrefixStore(f"{prefix}/{generation}/group{src}", store)
     timeout = timedelta(seconds=timeout_s)
+    if backend == "ipc":  # colocated: no process group, handles through the store
+        return Channel(IpcGroup(prefixed, rank, world, timeout_s, device), device)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout  # a collective that never returns is aborted by NCCL's watchdog
@@ -144,16 +154,22 @@ class Packer:
     def __init__(self):
         self._staging: torch.Tensor | None = None
 
-    def pack(self, chunks: list[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
-        """The chunks as one byte buffer on ``device`` (the channel's)."""
+    def pack(self, chunks: list[torch.Tensor], nbytes: int, channel: Channel) -> torch.Tensor:
+        """The chunks as one byte buffer on the channel's device (an ``ipc`` channel's: its shared
+        staging buffer, which the broadcast then publishes without another copy)."""
         size = sum(c.numel() * c.element_size() for c in chunks)
         if size != nbytes:
             raise RuntimeError(f"bucket buffer has {size} bytes, the plan says {nbytes}")
-        if len(chunks) == 1 and chunks[0].is_contiguous() and chunks[0].device == device:
+        device = channel.device
+        if isinstance(channel.group, IpcGroup):
+            buf = channel.group.staging(nbytes)
+        elif len(chunks) == 1 and chunks[0].is_contiguous() and chunks[0].device == device:
             return chunks[0].reshape(-1).view(torch.uint8)
-        if self._staging is None or self._staging.numel() < nbytes or self._staging.device != device:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        buf, at = self._staging[:nbytes], 0
+        else:
+            if self._staging is None or self._staging.numel() < nbytes or self._staging.device != device:
+                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = self._staging[:nbytes]
+        at = 0
         for c in chunks:
             b = c.reshape(-1).contiguous().view(torch.uint8)
             buf[at : at + b.numel()].copy_(b)

@@ -115,6 +115,7 @@ def _worker(rank, world, data):
             timeout_s=30,
             group_port=port,
             delta=True,
+            backend=data["backend"],
         )
         rows = []
         for version in range(1, 6):
@@ -138,7 +139,9 @@ def _worker(rank, world, data):
             json.dump(out, f)
 
 
-def test_deltas_from_two_ranks_on_both_transports(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_deltas_from_two_ranks_on_both_transports(tmp_path, backend):
+    """On gloo, and on ``ipc`` (colocated engines: shared memory here, CUDA IPC on a GPU)."""
     procs = [spawn_receiver() for _ in range(2)]
     try:
         for p, url in procs:
@@ -148,7 +151,12 @@ def test_deltas_from_two_ranks_on_both_transports(tmp_path):
         run_workers(
             _worker,
             2,
-            {"urls": urls, "out": str(out), "ports": {"broadcast": free_port(), "shard-direct": free_port()}},
+            {
+                "urls": urls,
+                "out": str(out),
+                "ports": {"broadcast": free_port(), "shard-direct": free_port()},
+                "backend": backend,
+            },
         )
         r = json.loads(out.read_text())
         for transport in ("broadcast", "shard-direct"):

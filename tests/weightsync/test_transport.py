@@ -14,7 +14,7 @@ from dist_sr.sources import ReplicatedSource
 from dist_sr.weightsync import auth
 from dist_sr.weightsync.receiver import InitInfo, WeightReceiver
 from dist_sr.weightsync.sync import WeightSync
-from dist_sr.weightsync.transport import Packer, transfer_group
+from dist_sr.weightsync.transport import Channel, Packer, transfer_group
 
 SECRET = b"k" * 32
 
@@ -59,17 +59,17 @@ def test_auto_picks_nccl_for_weights_on_a_gpu_and_buckets_are_staged_there():
     ws = WeightSync(ReplicatedSource(torch.nn.Linear(4, 4).cuda()), [], secret=SECRET)
     assert ws._backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device())
-    buf = Packer().pack([torch.ones(3, device=device), torch.zeros(2, device=device)], 20, device)
+    buf = Packer().pack([torch.ones(3, device=device), torch.zeros(2, device=device)], 20, Channel(None, device))
     assert buf.device == device and buf.numel() == 20
 
 
 def test_a_bucket_is_staged_on_the_channels_device():
     cpu = torch.device("cpu")
     chunks = [torch.ones(3), torch.zeros(2, dtype=torch.bfloat16)]
-    buf = Packer().pack(chunks, 16, cpu)
+    buf = Packer().pack(chunks, 16, Channel(None, cpu))
     assert buf.device == cpu and buf.numel() == 16
     assert torch.equal(buf[:12].view(torch.float32), chunks[0]) and torch.equal(
         buf[12:].view(torch.bfloat16), chunks[1]
     )
     with pytest.raises(RuntimeError, match="the plan says 15"):
-        Packer().pack(chunks, 15, cpu)
+        Packer().pack(chunks, 15, Channel(None, cpu))

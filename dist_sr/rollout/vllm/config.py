@@ -8,7 +8,7 @@ from ...config import ConfigError
 from ...weightsync.control import GROUP_PORT, TIMEOUT_S
 
 TRANSPORTS = ("broadcast", "shard-direct")
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "ipc")
 
 
 @dataclass
@@ -23,7 +23,9 @@ class FleetConfig:
     group_host: str | None = None  # address engines use to reach trainer rank 0 (default: this host)
     transport: str = "broadcast"  # broadcast: gather per bucket, rank 0 sends | shard-direct: every rank sends
     bucket_mb: float = 64.0  # gather/send granularity
-    backend: str = "auto"  # the groups' backend: auto (nccl when the trainer's weights are on CUDA), gloo, nccl
+    # the groups' backend: auto (nccl when the trainer's weights are on CUDA, else gloo), gloo, nccl,
+    # or ipc: engines colocated with their trainer rank (same GPU: CUDA IPC; same host: shared memory)
+    backend: str = "auto"
     delta_sync: bool = False  # grid-step deltas after the first verified sync (host copy of the weights kept)
     timeout_s: float = TIMEOUT_S  # per collective and per HTTP call; an engine that exceeds it is dropped
     snapshot_dir: str | None = None  # versioned safetensors snapshots, for engines that (re)start
