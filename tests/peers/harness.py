@@ -159,7 +159,7 @@ def trainer_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def save_tiny_model(path: Path, seed: int = 0) -> Path:
-    """A from-config Qwen2 (head_dim 64, which vLLM's CPU attention needs), in BF16."""
+    """A from-config Qwen2 (head_dim 64; vLLM's CPU attention serves head sizes from 32 up), in BF16."""
     from dist_sr.rl.config import ModelConfig
     from dist_sr.rl.model import new_tiny
 
