@@ -17,43 +17,19 @@ import argparse
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dist_sr.net import free_port  # noqa: E402
+from bench.common import synchronize  # noqa: E402
 from dist_sr.rollout.vllm.control import controls  # noqa: E402
 from dist_sr.sources import ReplicatedSource  # noqa: E402
 from dist_sr.weightsync.sync import WeightSync  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def start_receiver() -> tuple[subprocess.Popen, str]:
-    """A bare receiver process on loopback, answering (nothing here needs transformers or vLLM)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port)], cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the receiver exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError("the receiver did not answer within 60 s")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from tests.vllm_engines import free_port, start_receiver  # noqa: E402
 
 
 def device_copy(n_bytes: int, device: torch.device, repeats: int) -> float:
@@ -61,10 +37,10 @@ def device_copy(n_bytes: int, device: torch.device, repeats: int) -> float:
     dst = torch.empty_like(src)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        synchronize(device.type)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        synchronize(device.type)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -85,7 +61,7 @@ def sync_times(model, backend: str, bucket_mb: float, repeats: int) -> float:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1)
-            _sync(next(model.parameters()).device)
+            synchronize(next(model.parameters()).device.type)
             t0 = time.perf_counter()
             r = ws.sync(v, verify=False)
             times.append(time.perf_counter() - t0)

@@ -4,7 +4,7 @@ A group is a ``Channel``: gloo with buffers in host memory, NCCL with buffers on
 CUDA device, or ``ipc`` for engines colocated with the trainer (``weightsync.ipc``: handles to a
 shared buffer, CUDA IPC on a GPU, shared memory on a host); everything below takes the channel
 and allocates where it says, so every backend runs the same code (no CUDA call outside
-``transfer_group`` and ``cuda_device``).
+``transfer_group``, ``cuda_device`` and the ipc group's own module).
 
 Group ``m`` holds trainer rank ``m`` (as group rank 0) and every engine worker (group ranks
 ``1..W``, each engine at its own rank offset). Trainer rank 0 hosts the rendezvous store, listening
