@@ -641,6 +641,33 @@ MUTANTS = [
         "pass",
         ("tests/rl/test_cpu_math.py::test_warmup_cache_tells_pinned_from_unpinned",),
     ),
+    Mutant(
+        "ipc-sender-ignores-refusals",
+        "weightsync: colocated transfer",
+        "dist_sr/weightsync/ipc.py",
+        "        if refusals:\n",
+        "        if refusals and False:\n",
+        (
+            "tests/weightsync/test_ipc.py::"
+            "test_a_receiver_that_cannot_take_the_buffer_fails_the_sender_at_once_with_its_reason",
+        ),
+    ),
+    Mutant(
+        "ipc-receiver-takes-any-size",
+        "weightsync: colocated transfer",
+        "dist_sr/weightsync/ipc.py",
+        'if msg.get("nbytes") != n or not isinstance(at, int)',
+        "if not isinstance(at, int)",
+        ("tests/weightsync/test_ipc.py",),
+    ),
+    Mutant(
+        "native-verifies-names-not-bits",
+        "rollout: vLLM's own transfer engines",
+        "dist_sr/rollout/vllm/native.py",
+        "if combine(entries) == want:",
+        "if set(entries) == set(sent):",
+        ("tests/rollout/test_vllm_native.py::test_check_held_names_the_tensors_that_differ",),
+    ),
 ]
 
 
