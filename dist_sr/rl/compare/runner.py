@@ -18,14 +18,13 @@ from .config import CompareConfig, cells, finished, run_config, run_seeds
 from .report import write_report
 
 
-def _warm_one(cfg: ExperimentConfig) -> str:
+def _warm_one(cfg: ExperimentConfig, threads: int) -> str:
     import torch
 
     from ..warmup import warmup_checkpoint
 
     check_pin_took()
-    if cfg.threads:  # as the runs do: workers sharing the cores each take their share, not all of them
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(threads)  # the workers' share of the cores, not all of them each
     return str(warmup_checkpoint(cfg, progress=False))
 
 
@@ -69,7 +68,10 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
     with worker_pool(cfg) as pool:
         first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
         # the start checkpoints not cached yet, before any run needs them
-        warm = [pool.submit(_warm_one, exp) for exp in first.values() if not is_cached(exp)]
+        cold = [exp for exp in first.values() if not is_cached(exp)]
+        # fewer warm-ups than workers (one start checkpoint): each takes the idle workers' cores too
+        threads = max(1, cfg.parallel // max(1, len(cold)))
+        warm = [pool.submit(_warm_one, exp, threads) for exp in cold]
         for fut in tqdm(
             cf.as_completed(warm), total=len(warm), desc="start checkpoints (warm-up)", disable=not progress
         ):
