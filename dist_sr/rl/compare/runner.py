@@ -28,6 +28,12 @@ def _warm_one(cfg: ExperimentConfig, threads: int) -> str:
     return str(warmup_checkpoint(cfg, progress=False))
 
 
+def warmup_threads(parallel: int, warmups: int) -> int:
+    """Threads per warm-up when ``warmups`` start checkpoints train on ``parallel`` workers' cores:
+    fewer warm-ups than workers (one start checkpoint) take the idle workers' cores too."""
+    return max(1, parallel // max(1, warmups))
+
+
 def _train_one(cfg: ExperimentConfig) -> str:
     from transformers.utils import logging as hf_logging
 
@@ -69,8 +75,7 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
         first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
         # the start checkpoints not cached yet, before any run needs them
         cold = [exp for exp in first.values() if not is_cached(exp)]
-        # fewer warm-ups than workers (one start checkpoint): each takes the idle workers' cores too
-        threads = max(1, cfg.parallel // max(1, len(cold)))
+        threads = warmup_threads(cfg.parallel, len(cold))
         warm = [pool.submit(_warm_one, exp, threads) for exp in cold]
         for fut in tqdm(
             cf.as_completed(warm), total=len(warm), desc="start checkpoints (warm-up)", disable=not progress
