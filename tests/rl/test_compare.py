@@ -264,7 +264,7 @@ def test_the_larger_experiment_runs_its_own_config_for_a_few_steps(tmp_path):
 
 def test_the_larger_experiments_cpu_form_is_the_gpu_one_reduced_as_it_says():
     """configs/compare-large-cpu.yaml: the GPU comparison's model, task, warm-up recipe and GRPO
-    settings, with fewer steps, two starts, one seed and no fp16; a lone warm-up gets both cores."""
+    settings, with fewer steps, one start and seed and no fp16; a lone warm-up gets both cores."""
     from pathlib import Path
 
     from dist_sr.rl.compare.runner import warmup_threads
@@ -275,6 +275,6 @@ def test_the_larger_experiments_cpu_form_is_the_gpu_one_reduced_as_it_says():
     a, b = run_config(cpu, cells(cpu)[0], 0, 0), run_config(gpu, cells(gpu)[0], 0, 0)
     assert a.model == b.model and a.task == b.task and a.grpo.lr == b.grpo.lr == 2e-6
     assert (a.warmup.max_steps, b.warmup.max_steps) == (1800, 6000) and a.warmup.target_accuracy == 0.25
-    assert (a.grpo.steps, b.grpo.steps) == (100, 300) and (cpu.start_seeds, cpu.seeds) == ([0, 1], [0])
+    assert (a.grpo.steps, b.grpo.steps) == (100, 300) and (cpu.start_seeds, cpu.seeds) == ([0], [0])
     assert {c.spec.precision for c in cells(cpu)} == {"fp32", "bf16", "bf16-sr"}
     assert warmup_threads(cpu.parallel, 1) == 2 and warmup_threads(2, 3) == 1 and warmup_threads(4, 0) == 4
