@@ -8,8 +8,9 @@
 # (bitwise against the CPU reference, no host synchronisation in a step, steps replayed from a
 # CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
 # Run from the repository root:  bash bench/gpu_check.sh
-# GPU_CHECK_QUICK=1 (about 4 minutes, for a short device budget): the optimizer step, the SR cast at
-# 2^26 and 2^28, and the Triton CUDA tests, most important first, with the committed launch shapes.
+# GPU_CHECK_QUICK=1 (about 4 minutes, for a short device budget): the optimizer step, one FSDP2
+# training step (torch's policy vs dist-sr), the SR cast at 2^26 and 2^28, and the Triton CUDA
+# tests, most important first, with the committed launch shapes.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -26,10 +27,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ -n "${GPU_CHECK_QUICK:-}" ]; then
   timeout 100 python3 bench/optimizer_step.py --device cuda --json "$out/optimizer-step-cuda.json" 2>&1 \
     | grep -v Warning | tee "$out/gpu-optimizer-step.md"
+  timeout 60 python3 bench/train_step.py --device cuda --engines fsdp2 --hidden 1024 --layers 24 --batch 8 \
+    --seq 512 --steps 5 --json "$out/train_step-cuda.json" 2>&1 | grep -v Warning | tee "$out/gpu-train-step.md" \
+    | grep -E "^#|^\|"
   timeout 45 python3 bench/kernel_speed.py --device cuda --sizes 26 28 --rounds 5 --json "$out/kernels-cuda.json" 2>&1 \
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
   timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
-  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
+  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
     tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py 2>&1 \
     | tee "$out/gpu-tests.log" | tail -25
   exit 0

@@ -5,6 +5,8 @@ DeepSpeed ZeRO-2 and ZeRO-3 (the config's SR block on vs off) and FSDP2 (torch's
     python bench/train_step.py                               # CPU, world 1 on gloo (host cost)
     python bench/train_step.py --device cuda --hidden 1024 --layers 24   # ~300M params on a GPU
     python bench/train_step.py --device cuda --engines fsdp2              # one engine family
+    torchrun --nproc-per-node 2 bench/train_step.py --engines fsdp2       # CPU, world 2: FSDP2's
+                                                                          # foreach all-gather path
 
 Each family's variants are built from the same weights and stepped in turn (A, B, C, A, B, C...),
 synchronised around each step, so noise hits them alike; the table gives the median step, its
@@ -170,10 +172,14 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         results = run(args)
+        world = dist.get_world_size()
     finally:
         dist.destroy_process_group()
+    if int(os.environ["RANK"]):
+        return 0
     n = sum(p.numel() for p in tiny_llama(args.hidden, args.layers, vocab=VOCAB, align=64, device="meta").parameters())
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    where += f", world {world}"
     print(f"# one training step, Llama-shaped model of {n / 1e6:.1f}M params, batch {args.batch}x{args.seq}, {where}\n")
     cuda = args.device == "cuda"
     head = "| engine | variant | step (ms) | vs first |" + (" launches | syncs | launch host (ms) |" if cuda else "")

@@ -85,5 +85,29 @@ def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | N
     return local, offset, (local.shape[dim] * inner, shape[dim] * inner)
 
 
+def padded_shard(p: torch.Tensor) -> tuple[int, tuple[int, int] | None, tuple[int, ...]]:
+    """``(global flat offset, rows, padded shape)`` of FSDP2's padded local shard of the sharded
+    parameter ``p`` (a DTensor): what its all-gather sends. Every rank's shard is padded to the
+    first one's ``ceil(size / world)`` rows along the shard dim; the padding holds zeros, which
+    round to zero under any key. ``rows`` as in ``local_shard``, for the padded shard."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]  # type: ignore[attr-defined]
+    if not shards:
+        return 0, None, tuple(p.shape)
+    if len(shards) > 1 or not isinstance(shards[0][1], Shard):
+        raise NotImplementedError(
+            f"keyed rounding of FSDP2 shards with placements {p.placements}: one Shard "  # type: ignore[attr-defined]
+            "(any number of Replicate) is supported"
+        )
+    mesh_dim, placement = shards[0]
+    world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)  # type: ignore[attr-defined]
+    dim, shape = placement.dim, tuple(p.shape)
+    chunk, inner = chunking(shape, dim, world)
+    padded = shape[:dim] + (chunk,) + shape[dim + 1 :]
+    rows = None if dim == 0 or math.prod(shape[:dim]) == 1 else (chunk * inner, shape[dim] * inner)
+    return coord * chunk * inner, rows, padded
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")

@@ -3,7 +3,9 @@
 import torch
 
 
-def tiny_qwen2(*, vocab_size: int = 3, tie_word_embeddings: bool = False, initializer_range: float = 0.25):
+def tiny_qwen2(
+    *, vocab_size: int = 3, tie_word_embeddings: bool = False, initializer_range: float = 0.25, layers: int = 2
+):
     """A seeded FP32 Qwen2 with awkward shapes: the 3-row embedding and lm_head leave rank 3 of 4
     with an empty shard, and the 41-row MLP matrices split unevenly at world sizes 2 and 4."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -12,7 +14,7 @@ def tiny_qwen2(*, vocab_size: int = 3, tie_word_embeddings: bool = False, initia
         vocab_size=vocab_size,
         hidden_size=24,
         intermediate_size=41,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=16,

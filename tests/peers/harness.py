@@ -15,6 +15,7 @@ import torch
 
 from dist_sr.net import free_port
 from dist_sr.numerics.digest import combine, tensor_sums
+from dist_sr.rollout.vllm.native import digest_entries
 from tests.engines.models import forward_weights  # noqa: F401  (re-exported for the peer tests)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,7 +152,7 @@ def check_push(tmp_path: Path, model_dir: Path, extension: str, push, env: dict 
 
 def digest_of(entries: dict) -> str:
     """The layout-free digest of ``dist_sr_held_weights`` entries."""
-    return combine({n: (d, tuple(shape), int(v, 16)) for n, (d, shape, v) in entries.items()})
+    return combine(digest_entries(entries))
 
 
 def trainer_digest(tensors: dict[str, torch.Tensor]) -> str:

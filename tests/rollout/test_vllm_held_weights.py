@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from dist_sr import export_bf16, stochastic_round
 from dist_sr.engines import fsdp2
 from dist_sr.numerics.digest import combine, tensor_sums
+from dist_sr.rollout.vllm.native import digest_entries
 from tests.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
@@ -20,7 +21,7 @@ SEED = 5
 
 
 def digest(entries: dict) -> str:
-    return combine({n: (d, tuple(shape), int(v, 16)) for n, (d, shape, v) in entries.items()})
+    return combine(digest_entries(entries))
 
 
 def test_held_weights_digest_matches_the_trainer_whatever_the_transport(tmp_path):

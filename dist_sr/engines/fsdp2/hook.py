@@ -1,13 +1,15 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``): SR in the all-gather cast.
 
 Each FP32 parameter is wrapped in ``SRShadowParam`` *before* ``fully_shard``. FSDP2 then shards
-it as usual (the sharded FP32 master is the optimizer's parameter), and through the all-gather
-extension hooks every gather sends ``stochastic_round(local FP32 shard)``, keyed by the
-parameter's name and the shard's global element offset, in BF16. Because the bits are keyed,
-the backward re-gather reproduces the forward weights exactly, every rank agrees, and any world
-size or shard layout gives the bits of rounding the full master. Gradients are reduced in FP32
-(``MixedPrecisionPolicy(reduce_dtype=torch.float32)``) and kept in FP32 on the FP32 shards; the
-optimizer is any stock torch optimizer.
+it as usual (the sharded FP32 master is the optimizer's parameter). Before each all-gather FSDP2
+casts a group's padded local shards to BF16 with one ``torch._foreach_copy_``; for shards of
+wrapped parameters that cast is ``stochastic_round``, keyed by the parameter's name and the
+shard's global element offsets, in one batched kernel call per group (FSDP2's own fast path: no
+per-parameter hook, the host work of torch's BF16 ``MixedPrecisionPolicy``). Because the bits
+are keyed, the backward re-gather reproduces the forward weights exactly, every rank agrees, and
+any world size or shard layout gives the bits of rounding the full master. Gradients are reduced
+in FP32 (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``) and kept in FP32 on the FP32
+shards; the optimizer is any stock torch optimizer.
 
     ctx = fsdp2.prepare(model, seed=1234, mode="stochastic")   # before fully_shard
     for block in model.model.layers:
@@ -19,17 +21,16 @@ optimizer is any stock torch optimizer.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from ...numerics import live, stochastic_round
+from ...numerics import live
 from ...numerics.key import check_key_state, check_mode, normalize_param_name
-from ...numerics.shards import shard_layout
-from ...replica import tensor_digest
+from .gather import ShardRounder, refusal
 
 aten = torch.ops.aten
 
@@ -51,16 +52,19 @@ class SRContext:
     backend: str = "auto"
     gathers: list[tuple[str, int, int, str]] = field(default_factory=list)  # (name, step, offset, digest)
     record_gathers: bool = False
-    # The backward re-gather of a step reuses the forward's rounded shard instead of rounding again
-    # (the bits are the same by construction); costs one BF16 copy of each local shard.
+    # Every shard is rounded once per key and kept (one BF16 copy of each local shard): the
+    # re-gathers of a step copy the kept bits. False: every all-gather rounds afresh.
     cache_rounded: bool = True
-    version: int = 0  # bumped whenever the masters may have changed: invalidates cached shards
-    # name -> ((step, version), BF16 shard, global offset) last handed to the all-gather. Kept
-    # here, not on the parameter: FSDP2 calls the hook on its own view of the sharded storage.
-    rounded: dict[str, tuple[tuple[int, int], torch.Tensor, int]] = field(default_factory=dict)
+    version: int = 0  # bumped whenever the masters may have changed: invalidates kept shards
     names: set[str] = field(default_factory=set)  # the parameters wrapped (rounded with this key)
     frozen: set[str] = field(default_factory=set)  # the model's other parameters (cast to BF16 as they are)
     aliases: dict[str, str] = field(default_factory=dict)  # a tied weight's other names -> the name it is keyed by
+    # the wrapped model (weakly): where the shard layouts are read from once FSDP2 has sharded it
+    module: Any = None
+    rounder: ShardRounder = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rounder = ShardRounder(self)
 
     def rounds(self, name: str) -> bool | None:
         name = self.aliases.get(name, name)
@@ -71,12 +75,10 @@ class SRContext:
         return self.aliases.get(name, name)
 
     def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
-        """``(BF16 shard, global offset)`` this rank last handed to the all-gather for ``name``,
-        if that was at the current key (the bits the forward pass used), else None."""
-        cached = self.rounded.get(name)
-        if cached is None or cached[0] != (self.step, self.version):
-            return None
-        return cached[1], cached[2]
+        """``(flat BF16 padded shard, global offset)`` this rank's all-gathers send for ``name``
+        at the current key (the bits the forward pass used), if it has been rounded since the
+        key last moved, else None."""
+        return self.rounder.sent(name)
 
     def track(self, optimizer: torch.optim.Optimizer):
         """Advance the key's step after every ``optimizer.step()``; returns the hook handle."""
@@ -104,7 +106,7 @@ class SRContext:
 # parameter while sharding it, and the parameter moved to another device (``module.to(device)``,
 # FSDP2's own move to the mesh's device, verl's ``to_empty`` of meta-initialised ranks: without
 # these the wrapper would be lost and the all-gather would cast round-to-nearest). Everything
-# else (optimizer states from zeros_like, clones, math, casts to BF16) comes out plain.
+# else (optimizer states from zeros_like, clones, math) comes out plain.
 _KEEP = {
     aten.view.default,
     aten._unsafe_view.default,
@@ -122,13 +124,36 @@ _KEEP = {
     aten._to_copy.default,
     aten.empty_like.default,
 }
+# the casts that would lose the master's low bits: FSDP2's all-gather cast (a foreach copy, or
+# ``.to(param_dtype)`` where it takes its slow path) becomes the keyed rounding; anything else
+# that lowers a wrapped master's precision is refused rather than rounded to nearest
+_CASTS = {aten._foreach_copy_.default, aten._to_copy.default, aten.copy_.default}
+
+
+def _lowers(dtype) -> bool:
+    return dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
+
+
+def _plain_args(args):
+    """``args`` with every SRShadowParam (also inside a list, as foreach ops take them) replaced
+    by its FP32 data: a comprehension per argument, not a pytree walk (optimizer foreach ops pass
+    every parameter of a group through here)."""
+    out = []
+    for a in args:
+        if isinstance(a, SRShadowParam):
+            a = a._data
+        elif isinstance(a, (list, tuple)):
+            a = [t._data if isinstance(t, SRShadowParam) else t for t in a]
+        out.append(a)
+    return out
 
 
 class SRShadowParam(torch.Tensor):
     """An FP32 parameter whose FSDP2 all-gather input is its keyed stochastic rounding to BF16.
 
     Every other operation sees the plain FP32 tensor (``_data``), so optimizers, clipping and
-    checkpoints work on it unchanged.
+    checkpoints work on it unchanged; a cast that would lower its precision is either FSDP2's
+    all-gather cast (rounded with the key) or refused.
     """
 
     _data: torch.Tensor
@@ -163,64 +188,62 @@ class SRShadowParam(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        found: list[SRShadowParam] = []
-
-        def unwrap(t):
-            if isinstance(t, SRShadowParam):
-                found.append(t)
-                return t._data
-            return t
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _CASTS:
+            done = _cast(func, args, kwargs)
+            if done is not _NOT_A_CAST:
+                return done
+        elif func.namespace == "fsdp":  # FSDP2's own copy-in ops get BF16 inputs, cast above
+            raise NotImplementedError(
+                f"this torch's FSDP2 (torch {torch.__version__}) hands wrapped FP32 masters to {func}: "
+                "dist-sr's SR all-gather knows FSDP2's foreach and per-parameter casts before its "
+                "copy-in; use a torch whose FSDP2 casts first (2.11 to 2.13 are tested)"
+            )
+        out = func(*_plain_args(args), **dict(zip(kwargs, _plain_args(kwargs.values()))))
         if func not in _KEEP:
             return out
-        src = found[0]
-        return tree_map(
-            lambda t: (
-                SRShadowParam(t, src._ctx, src._name) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-            ),
-            out,
-        )
+        src = next(a for a in args if isinstance(a, SRShadowParam))
+        if isinstance(out, torch.Tensor):
+            return SRShadowParam(out, src._ctx, src._name) if out.dtype == torch.float32 else out
+        return type(out)(SRShadowParam(t, src._ctx, src._name) if t.dtype == torch.float32 else t for t in out)
 
-    # -- FSDP2 all-gather extension ------------------------------------------------------------
 
-    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        """The BF16 all-gather input: this rank's (padded) shard, rounded with global indices."""
-        ctx = self._ctx
-        cached = ctx.sent(self._name) if ctx.cache_rounded else None
-        if cached is not None:
-            bf16 = cached[0]
-            if ctx.record_gathers:
-                ctx.gathers.append((self._name, ctx.step, cached[1], tensor_digest(bf16)))
-            return (bf16,), None
-        local = self._data
-        world, rank = mesh.size(), mesh.get_local_rank()
-        offset, row_stride, padded = shard_layout(tuple(orig_size), tuple(local.shape), world, rank)
-        if tuple(local.shape) != padded:  # a short trailing shard: FSDP2 all-gathers equal sizes
-            full = local.new_zeros(padded)
-            full[tuple(slice(0, n) for n in local.shape)] = local
-            local = full
-        bf16 = stochastic_round(
-            local,
-            seed=ctx.seed,
-            step=ctx.step,
-            param=self._name,
-            offset=offset,
-            mode=ctx.mode,
-            row_stride=row_stride,
-            backend=ctx.backend,
-        )
-        if ctx.cache_rounded:
-            ctx.rounded[self._name] = ((ctx.step, ctx.version), bf16, offset)
-        if ctx.record_gathers:
-            ctx.gathers.append((self._name, ctx.step, offset, tensor_digest(bf16)))
-        return (bf16,), None
+# -- FSDP2's all-gather cast ------------------------------------------------------------------
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        (data,) = all_gather_outputs
-        if out is not None:  # FSDP2 re-gathered into the storage of the existing unsharded param
-            return None
-        return data, (data,)
+_NOT_A_CAST = object()
+
+
+def _cast(func, args, kwargs):
+    """A cast of wrapped masters to a lower precision, done with the key; ``_NOT_A_CAST`` for
+    anything else (an FP32 copy, a device move), which dispatch runs as any other op."""
+    if func is aten._foreach_copy_.default:  # FSDP2's all-gather copy-in of a whole group
+        outs, srcs = args[0], args[1]
+        keyed = [isinstance(s, SRShadowParam) and _lowers(o.dtype) for o, s in zip(outs, srcs)]
+        if not any(keyed):
+            return _NOT_A_CAST
+        plain = [i for i, k in enumerate(keyed) if not k]
+        if plain:  # frozen parameters gathered in the same group: FSDP2's plain cast
+            torch._foreach_copy_([outs[i] for i in plain], [srcs[i] for i in plain], **kwargs)
+        by_ctx: dict[int, list[tuple[SRShadowParam, torch.Tensor]]] = {}
+        for i in (i for i, k in enumerate(keyed) if k):
+            if outs[i].dtype != torch.bfloat16:
+                raise refusal(srcs[i]._name, f"a {outs[i].dtype} copy")
+            by_ctx.setdefault(id(srcs[i]._ctx), []).append((srcs[i], outs[i]))
+        for group in by_ctx.values():  # (two SR models in one process gather in separate groups)
+            group[0][0]._ctx.rounder.into(group)
+        return None
+    if func is aten._to_copy.default:  # FSDP2's per-parameter path: ``.to(param_dtype)``
+        if not _lowers(kwargs.get("dtype")):
+            return _NOT_A_CAST
+        if kwargs["dtype"] != torch.bfloat16 or kwargs.get("device") not in (None, args[0].device):
+            raise refusal(args[0]._name, f"a {kwargs['dtype']} copy on {kwargs.get('device')}")
+        return args[0]._ctx.rounder.one(args[0])
+    out, src = args[0], args[1]  # copy_(out, src)
+    if not (isinstance(src, SRShadowParam) and _lowers(out.dtype)):
+        return _NOT_A_CAST
+    if out.dtype != torch.bfloat16:
+        raise refusal(src._name, f"a {out.dtype} copy")
+    return out.copy_(src._ctx.rounder.one(src))
 
 
 def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: str = "auto") -> SRContext:
@@ -254,6 +277,7 @@ def prepare(model: nn.Module, *, seed: int, mode: str = "stochastic", backend: s
         setattr(owner, attr, wrapped)
         wrapped_by_id[id(param)] = (wrapped, name)
         ctx.names.add(name)
+    ctx.module = weakref.ref(model)
     live.register(ctx)  # export_bf16 finds the key of these names
     return ctx
 

@@ -162,7 +162,12 @@ class SignedClient:
 
 def held_digest_entries(held: dict) -> Entries:
     """Digest entries of one worker's ``dist_sr_held_weights`` answer."""
-    return {n: (d, tuple(shape), int(v, 16)) for n, (d, shape, v) in held["digests"].items()}
+    return digest_entries(held["digests"])
+
+
+def digest_entries(recorded: dict) -> Entries:
+    """Digest entries from a held-weights record's ``{name: [dtype, shape, hex sum]}``."""
+    return {n: (d, tuple(shape), int(v, 16)) for n, (d, shape, v) in recorded.items()}
 
 
 def check_held(name: str, workers: list[dict], sent: Entries) -> None:

@@ -1,0 +1,210 @@
+"""The BF16 all-gather inputs of an SR model's FSDP2 shards: the keyed rounding of each padded
+local FP32 shard, done for the whole model in one batched kernel call per step.
+
+FSDP2 casts a group's padded local shards to ``param_dtype`` right before each all-gather: with a
+``torch._foreach_copy_`` into the all-gather buffer (its fast path), or one ``.to()`` per
+parameter (world size 1, older torch). ``Shadow``'s dispatch hands both here. The first
+cast at a new key (the step after an optimizer step, or masters written) rounds every wrapped
+shard of this rank into kept BF16 shards; every cast then copies a kept shard, so a step costs
+one rounding launch however many groups and re-gathers there are, and FSDP2 keeps its own copies
+(a foreach copy per group, as torch's BF16 ``MixedPrecisionPolicy`` makes). The kept shards are
+also ``SRContext.sent``: the bits the forward used, which the trainer's digest reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ...numerics import RoundingBatch, RoundingJob, round_jobs, stochastic_round
+from ...numerics.shards import padded_shard
+from ...replica import tensor_digest
+
+
+class KeyState(Protocol):
+    """What the rounder reads of its model's ``SRContext``."""
+
+    seed: int
+    mode: str
+    step: int
+    version: int
+    backend: str
+    cache_rounded: bool
+    record_gathers: bool
+    gathers: list
+    module: Any  # weakref to the wrapped model
+
+
+# ``src`` below is an ``Shadow`` (hook.py), the FP32 master as FSDP2 hands it to its cast:
+# ``src._data`` the plain FP32 tensor, ``src._name`` the name it is keyed by.
+Shadow = Any
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """Where FSDP2's padded local shard of a parameter (its all-gather input: ``padded``
+    elements, flat, at the start of the local shard's storage) lies in the full parameter."""
+
+    offset: int  # global flat index of the shard's first element
+    rows: tuple[int, int] | None  # (row_len, row_stride) for a shard on a non-leading dim
+    padded: tuple[int, ...]
+    source: torch.Tensor  # the padded shard, flat FP32 (plain: a view of the local shard's storage)
+    numel: int
+    address: int  # the source's data_ptr
+
+    @classmethod
+    def of(cls, offset: int, rows: tuple[int, int] | None, padded: tuple[int, ...], local: torch.Tensor):
+        """The layout of the padded shard whose first rows are the plain local shard ``local``."""
+        numel = math.prod(padded)
+        source = local.as_strided((numel,), (1,), 0)  # the padding rows follow the local rows
+        return cls(offset, rows, padded, source, numel, source.data_ptr())
+
+    def holds(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` is this padded shard: the same memory (not a shard FSDP2 has since
+        re-created by ``to_empty``, a device move or a reload with assignment), the same length."""
+        return data.data_ptr() == self.address and data.numel() == self.numel
+
+    def job(self, name: str, x: torch.Tensor, out: torch.Tensor) -> RoundingJob:
+        if self.rows is None:
+            return RoundingJob(name, x.view(-1), out.view(-1), self.offset)
+        row_len, row_stride = self.rows
+        return RoundingJob(name, x.view(-1, row_len), out.view(-1, row_len), self.offset, row_stride)
+
+
+class ShardRounder:
+    """Rounds one SR model's padded local shards with its ``SRContext``'s key and keeps them."""
+
+    def __init__(self, ctx: KeyState):
+        self.ctx = ctx
+        self.layouts: dict[str, GatherLayout] = {}
+        self._batch: RoundingBatch | None = None  # every shard -> its kept BF16 shard
+        self._kept: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (flat BF16 shard, offset), the batch's
+        self._rounded_at: tuple[int, int] | None = None  # the (step, version) the kept shards hold
+        # an all-gather group's shard addresses -> their kept bits and offsets: a group checked
+        # once copies without looking at each shard again, until the batch is rebuilt
+        self._groups: dict[tuple[int, ...], tuple[list[torch.Tensor], list[int]]] = {}
+
+    # -- what FSDP2's casts call --------------------------------------------------------------
+
+    def into(self, pairs: list[tuple[Shadow, torch.Tensor]]) -> None:
+        """FSDP2's foreach copy-in: write each all-gather input ``src``'s bits into ``out``."""
+        ctx = self.ctx
+        if not ctx.cache_rounded:  # round afresh into FSDP2's buffer: one call for the group
+            jobs = [self.layout_of(src).job(src._name, src._data, out) for src, out in pairs]
+            round_jobs(jobs, seed=ctx.seed, step=ctx.step, mode=ctx.mode, backend=ctx.backend)
+            self._record([(job.param, out, job.offset) for job, (_, out) in zip(jobs, pairs)])
+            return
+        where = tuple(src._data.data_ptr() for src, _ in pairs)
+        group = self._groups.get(where)
+        if group is None:
+            kept = [self.current(src) for src, _ in pairs]
+            group = self._groups[where] = ([bits for bits, _ in kept], [offset for _, offset in kept])
+        elif self._rounded_at != (ctx.step, ctx.version):
+            self._round_all()
+        torch._foreach_copy_([out for _, out in pairs], group[0])
+        self._record([(src._name, bits, offset) for (src, _), bits, offset in zip(pairs, *group)])
+
+    def one(self, src: Shadow) -> torch.Tensor:
+        """FSDP2's per-parameter cast (``.to(param_dtype)``): the bits of ``src``, shaped like it.
+        The kept shard itself is returned, not a copy: FSDP2 only copies from its all-gather
+        inputs."""
+        ctx = self.ctx
+        if ctx.cache_rounded:
+            bits, offset = self.current(src)
+        else:
+            layout = self.layout_of(src)
+            job = layout.job(src._name, src._data, torch.empty(layout.numel, dtype=torch.bfloat16, device=src.device))
+            stochastic_round(
+                job.x,
+                seed=ctx.seed,
+                step=ctx.step,
+                param=job.param,
+                offset=job.offset,
+                mode=ctx.mode,
+                out=job.out,
+                backend=ctx.backend,
+                row_stride=job.row_stride,
+            )
+            bits, offset = job.out.view(-1), job.offset
+        self._record([(src._name, bits, offset)])
+        return bits if bits.shape == src.shape else bits.view(src.shape)
+
+    def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
+        if self._rounded_at != (self.ctx.step, self.ctx.version):
+            return None
+        return self._kept.get(name)
+
+    # -- the kept shards ------------------------------------------------------------------------
+
+    def current(self, src: Shadow) -> tuple[torch.Tensor, int]:
+        """``(flat BF16 bits, offset)`` of ``src`` at the current key, rounding every shard of the
+        model first when the key has moved on since the last rounding."""
+        self.layout_of(src)  # refuses anything but an all-gather input; notices re-created shards
+        if self._rounded_at != (self.ctx.step, self.ctx.version):
+            self._round_all()
+        return self._kept[src._name]
+
+    def _round_all(self) -> None:
+        ctx = self.ctx
+        if self._batch is None:
+            jobs = [
+                layout.job(
+                    name, layout.source, torch.empty(layout.numel, dtype=torch.bfloat16, device=layout.source.device)
+                )
+                for name, layout in self.layouts.items()
+            ]
+            self._batch = RoundingBatch(jobs, backend=ctx.backend)
+            self._kept = {job.param: (job.out.view(-1), job.offset) for job in jobs}
+        self._batch.run(seed=ctx.seed, step=ctx.step, mode=ctx.mode)
+        self._rounded_at = (ctx.step, ctx.version)
+
+    def _record(self, shards: list[tuple[str, torch.Tensor, int]]) -> None:
+        if self.ctx.record_gathers:
+            for name, bits, offset in shards:
+                digest = tensor_digest(bits.view(self.layouts[name].padded))
+                self.ctx.gathers.append((name, self.ctx.step, offset, digest))
+
+    # -- where each shard lies -----------------------------------------------------------------
+
+    def layout_of(self, src: Shadow) -> GatherLayout:
+        """Where the all-gather input ``src`` lies in its full parameter. Read from the model's
+        sharded parameters when first needed and again when FSDP2 has re-created a shard; refuses
+        a tensor that is not a whole padded shard FSDP2 made of a parameter wrapped here."""
+        layout = self.layouts.get(src._name)
+        if layout is None or not layout.holds(src._data):
+            self._read_layouts()
+            layout = self.layouts.get(src._name)
+        if layout is None or not layout.holds(src._data):
+            raise refusal(src._name, "a BF16 copy (not an all-gather input FSDP2 made of it)")
+        return layout
+
+    def _read_layouts(self) -> None:
+        module = self.ctx.module() if self.ctx.module is not None else None
+        if module is None:
+            return
+        layouts = {}
+        for p in module.parameters():  # the sharded ones (FSDP2 swaps in BF16 ones only inside forward)
+            # the DTensor's own local tensor: to_local() would make a view, and views made while
+            # a cast is being dispatched come out plain
+            local = getattr(p, "_local_tensor", None)
+            if getattr(local, "_ctx", None) is self.ctx:
+                layouts[local._name] = GatherLayout.of(*padded_shard(p), local._data)  # type: ignore[union-attr]
+        if layouts.keys() != self.layouts.keys() or any(
+            not self.layouts[n].holds(layout.source) for n, layout in layouts.items()
+        ):
+            # what was rounded from shards FSDP2 no longer uses is dropped
+            self.layouts, self._batch, self._rounded_at = layouts, None, None
+            self._groups.clear()
+
+
+def refusal(name: str, what: str) -> TypeError:
+    """The error for a cast of a wrapped master that is not FSDP2's all-gather cast."""
+    return TypeError(
+        f"{what} of the FP32 master of {name!r} would round to nearest: with SR, dist-sr casts only "
+        "the padded local shards fully_shard all-gathers, to BF16 (FSDP2's CPU offload, "
+        "offload_policy, is not supported). Read the master with fsdp2.plain(param), or the BF16 "
+        "working weights with dist_sr.export_bf16"
+    )
