@@ -34,7 +34,8 @@ if [ -n "${GPU_CHECK_QUICK:-}" ]; then
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
   timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
   timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-    tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py 2>&1 \
+    tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py \
+    tests/engines/test_fsdp2_gather.py 2>&1 \
     | tee "$out/gpu-tests.log" | tail -25
   exit 0
 fi
@@ -53,5 +54,6 @@ timeout 60 python3 bench/delta_sync.py --device cuda 2>&1 | grep -v Warning | te
 # a colocated engine on the same GPU: sync over CUDA IPC and over gloo beside a device copy
 timeout 90 python3 bench/ipc_sync.py --mb 1024 --bucket-mb 256 2>&1 | grep -v Warning | tee "$out/gpu-ipc-sync.md"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
-  tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py 2>&1 \
+  tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py \
+  tests/engines/test_fsdp2_gather.py 2>&1 \
   | tee "$out/gpu-tests.log" | tail -25

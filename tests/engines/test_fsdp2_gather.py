@@ -40,6 +40,7 @@ def _shard_worker(rank, world_size):
         assert torch.equal(got, local), (shape, dim, rank)
 
 
+@pytest.mark.slow
 def test_a_padded_shard_lies_where_dtensor_puts_it_on_any_dim():
     run_workers(_shard_worker, 2)
 
@@ -139,3 +140,64 @@ def test_a_lower_precision_copy_of_a_wrapped_master_is_refused_naming_it():
     # exact casts and arithmetic see the FP32 master as it is
     assert torch.equal(p.to(torch.float64), fsdp2.plain(p).double())
     assert torch.equal((p * 2).detach(), fsdp2.plain(p) * 2)
+
+
+def _cuda_worker(rank, port, steps):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_sr import stochastic_round
+    from dist_sr.engines import fsdp2
+    from dist_sr.engines.fsdp2.gather import ShardRounder
+    from tests.engines.models import forward_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        model = tiny_qwen2(layers=2).cuda()
+        ctx = fsdp2.prepare(model, seed=SEED)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
+        fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        ctx.track(opt)
+        ids = torch.randint(0, 3, (4, 9), generator=torch.Generator().manual_seed(7)).cuda()
+
+        def no_sync(method):  # dist-sr's part of the step: FSDP2's casts, the rounding
+            def run(*args, **kwargs):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            return run
+
+        for step in range(steps):
+            if step == 1:  # after the first step built the batch and read the layouts
+                ShardRounder.into, ShardRounder.one = no_sync(ShardRounder.into), no_sync(ShardRounder.one)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        masters = {n: t.cpu() for n, t in fsdp2.full_master(model).items()}
+        working = forward_weights(model, ids)
+        assert set(working) == set(masters)
+        for name, w in working.items():
+            expected = stochastic_round(masters[name], seed=SEED, step=steps, param=name)  # the CPU reference
+            assert w.dtype == torch.bfloat16 and torch.equal(w.cpu().view(torch.int16), expected.view(torch.int16)), (
+                name
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (FSDP2 on NCCL, world 1)")
+def test_on_cuda_the_gathered_weights_are_the_cpu_references_bits_and_the_cast_never_syncs():
+    import torch.multiprocessing as mp
+
+    from dist_sr.net import free_port
+
+    mp.spawn(_cuda_worker, args=(free_port(), 3), nprocs=1)
