@@ -104,9 +104,9 @@ def masters_nearest_fleet(config, trainer, tokenizer, *, device, sharded: bool):
     optimizer = getattr(trainer.precision, "optimizer", None)
     if sharded or optimizer is None or not hasattr(optimizer, "_pairs"):
         raise ValueError(f"{MASTERS_NEAREST}: one process with FP32 masters (bf16-sr, distributed.engine single)")
-    fleet = VLLMFleetEngine.from_config(config.vllm, trainer, tokenizer, device=device)
-    fleet.sync.source = MastersNearestSource(optimizer)
-    return fleet
+    return VLLMFleetEngine.from_config(
+        config.vllm, trainer, tokenizer, device=device, source=MastersNearestSource(optimizer)
+    )
 
 
 # --smoke: two warm-up steps cached apart from the real start checkpoint, a small evaluation

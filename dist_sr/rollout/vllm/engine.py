@@ -55,7 +55,9 @@ class VLLMFleetEngine:
         self._model_names: dict[str, str] = {}
 
     @classmethod
-    def from_config(cls, fleet_cfg, trainer, tokenizer, device=None) -> "VLLMFleetEngine":
+    def from_config(cls, fleet_cfg, trainer, tokenizer, device=None, source=None) -> "VLLMFleetEngine":
+        """The fleet of ``rollout.vllm``, fed the trainer's working weights (``trainer.weight_source()``)
+        or ``source``, a ``WeightSource`` of other bits (a benchmark's export of the masters)."""
         if not fleet_cfg.urls:
             raise ValueError(
                 "rollout.engine=vllm needs rollout.vllm.urls (the engines' base URLs), "
@@ -67,7 +69,7 @@ class VLLMFleetEngine:
             )
         host = fleet_cfg.group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         sync = WeightSync(
-            trainer.weight_source(),
+            source if source is not None else trainer.weight_source(),
             controls(fleet_cfg.urls, fleet_cfg.timeout_s),
             transport=fleet_cfg.transport,
             bucket_mb=fleet_cfg.bucket_mb,
