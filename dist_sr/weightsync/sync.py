@@ -390,8 +390,16 @@ class WeightSync:
                     work.wait()
         except RuntimeError as exc:
             failures.append(f"trainer rank {self.rank}: {exc}")
-        for t in threads:
-            t.join()
+        # the engines have at most the last bucket left to load: one that has not answered its
+        # update within timeout_s hangs (stopped, deadlocked), and is left out, not waited for
+        deadline = time.monotonic() + self.timeout_s
+        for c, t in zip(controls, threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                failures.append(
+                    f"{c.name}: no answer to its update {self.timeout_s:.0f} s after the last bucket was "
+                    "sent (the engine hangs); left out of this sync"
+                )
         if self.delta and self.rank < self.senders and not failures:
             self._keep(kept)  # what the engines that complete this sync hold from now on
         ok = not failures

@@ -161,3 +161,28 @@ def test_hsdp_shard_direct_sends_each_element_once_from_every_replica_group(rece
     assert r["broadcast"]["ready"] == r["shard-direct"]["ready"] == urls
     sent = r["shard-direct"]["sent"]
     assert sum(sent) == 2 * r["numel"] and all(s > 0 for s in sent), sent  # once in total, every rank a share
+
+
+def test_a_receiver_that_hangs_mid_sync_costs_one_timeout_not_one_per_bucket(receivers):
+    """A stopped receiver (SIGSTOP: its sockets stay open, so small buckets still go out) never
+    answers its update; the trainer waits timeout_s after the last bucket, not timeout_s for
+    every bucket, leaves it out and verifies the other."""
+    import time
+
+    (pa, a), (pb, b) = receivers(2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)]).to(torch.bfloat16)  # 24 tensors
+    ws = WeightSync(ReplicatedSource(model), controls([a, b], 4), bucket_mb=0.0005, timeout_s=4, group_port=free_port())
+    assert ws.sync(1).ready == [a, b]
+
+    def stop_b(index, total):
+        assert total >= 20  # the wait this bounds grew with the bucket count: 4 s x (1 + 24)
+        if index == 3:
+            pb.send_signal(signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    r = ws.sync(2, on_bucket=stop_b)
+    took = time.monotonic() - t0
+    assert r.ready == [a] and any(b in p and "hangs" in p for p in r.problems), r.problems
+    assert [e.state for e in ws.engines] == ["ready", "down"]
+    assert took < 40, took  # one timeout for the hang, one for the health probe, the re-sync
