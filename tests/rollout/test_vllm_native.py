@@ -81,3 +81,114 @@ def test_the_source_says_vllm_is_needed_where_it_is_not_installed():
         pytest.skip("vLLM is installed in this environment: the refusal is for environments without it")
     with pytest.raises(RuntimeError, match="needs vLLM"):
         native.KeyedWeightSource(nn.Linear(2, 2))
+
+
+class _Engine:
+    """A stand-in ``vllm serve`` with dist-sr's middleware over real HTTP: it verifies every
+    request's signature (``auth.Verifier``, what the middleware runs), answers ``/get_world_size``
+    and records the weight routes; init and update wait at a barrier all engines share, as NCCL's
+    rendezvous and broadcast make each engine's call wait for the others."""
+
+    def __init__(self, secret, workers, barrier, fail=None):
+        import http.server
+        import threading
+
+        from dist_sr.weightsync import auth
+
+        engine, verifier = self, auth.Verifier(secret)
+        self.calls, self.workers = [], workers
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self, method):
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                try:
+                    verifier.request(method, self.path, body, dict(self.headers))
+                except auth.AuthError as exc:
+                    return self._answer(401, {"error": str(exc)})
+                if self.path == "/get_world_size":
+                    return self._answer(200, {"world_size": engine.workers})
+                route = self.path.strip("/")
+                engine.calls.append((route, json.loads(body or b"{}")))
+                if route == fail:
+                    return self._answer(500, {"error": f"{route} failed"})
+                if route in ("init_weight_transfer_engine", "update_weights"):
+                    barrier.wait(timeout=20)  # a collective: returns once every engine is in it
+                return self._answer(200, {})
+
+            def do_GET(self):
+                self._handle("GET")
+
+            def do_POST(self):
+                self._handle("POST")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_fan_out_client_drives_several_engines_at_once_each_at_its_ranks():
+    import threading
+
+    from dist_sr.rollout.vllm.native import FanOutClient
+
+    secret = b"s" * 32
+    barrier = threading.Barrier(2)
+    a, b = _Engine(secret, 2, barrier), _Engine(secret, 1, barrier)
+    try:
+        fan = FanOutClient([SignedClient(a.url, secret=secret), SignedClient(b.url, secret=secret)])
+        assert fan.workers() == [2, 1]
+        info = {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 4}
+        fan.init_weight_transfer_engine(info)  # sequential calls would stop at the first barrier
+        fan.start_weight_update()
+        fan.update_weights({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]})
+        fan.finish_weight_update("7")
+        for engine, offset in ((a, 1), (b, 3)):  # b's one worker after the trainer's rank and a's two
+            assert [r for r, _ in engine.calls] == [
+                "init_weight_transfer_engine",
+                "start_weight_update",
+                "update_weights",
+                "finish_weight_update",
+            ]
+            assert engine.calls[0][1]["init_info"] == dict(info, rank_offset=offset)
+            assert engine.calls[2][1]["update_info"]["names"] == ["w"]
+            assert engine.calls[3][1] == {"weight_version": "7"}
+        # a world size that leaves a worker out is refused before any engine hears of it
+        with pytest.raises(EngineError, match=r"world_size=3.*make 4: pass world_size=4"):
+            fan.init_weight_transfer_engine(dict(info, world_size=3))
+        assert len(a.calls) == len(b.calls) == 4
+        # without the secret every engine refuses, each named
+        stranger = FanOutClient([SignedClient(a.url, secret=b"x" * 32), SignedClient(b.url, secret=b"x" * 32)])
+        with pytest.raises(EngineError) as refused:
+            stranger.start_weight_update()
+        assert a.url in str(refused.value) and b.url in str(refused.value) and "401" in str(refused.value)
+    finally:
+        a.server.shutdown()
+        b.server.shutdown()
+
+
+def test_a_fan_out_client_names_the_engine_that_failed():
+    import threading
+
+    from dist_sr.rollout.vllm.native import FanOutClient
+
+    secret = b"s" * 32
+    barrier = threading.Barrier(1)  # no collective here: each engine answers alone
+    a, b = _Engine(secret, 1, barrier), _Engine(secret, 1, barrier, fail="update_weights")
+    try:
+        fan = FanOutClient([SignedClient(a.url, secret=secret), SignedClient(b.url, secret=secret)])
+        with pytest.raises(EngineError, match=rf"{b.url}/update_weights: HTTP 500") as failed:
+            fan.update_weights({"names": []})
+        assert a.url not in str(failed.value)
+    finally:
+        a.server.shutdown()
+        b.server.shutdown()

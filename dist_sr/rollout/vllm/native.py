@@ -11,6 +11,10 @@ each send the engines' held weights checked against what was sent.
         NCCLTrainerInitInfo(master_address, port, world_size, rank=rank), client=client, source=source)
     send_verified(engine, source, [client])                    # every rank; raises on a mismatch
 
+    # several engines: one client driving them all, each engine's NCCL ranks after the last's
+    fan = FanOutClient([SignedClient(u) for u in urls])     # world_size = 1 + sum(fan.workers())
+    send_verified(engine, source, fan.clients)
+
 - ``KeyedWeightSource`` is a ``vllm.distributed.weight_transfer.base.WeightSource`` over
   ``rollout_weights``: the BF16 working weights the trainer's forward pass uses (the keyed SR
   bits where the precision rounds), full size, from a plain module, FSDP2 or DeepSpeed; its
@@ -25,6 +29,8 @@ each send the engines' held weights checked against what was sent.
   takes CUDA IPC handles only as pickles over HTTP (``VLLM_ALLOW_INSECURE_SERIALIZATION``);
   colocated engines take dist-sr's own ``ipc`` backend instead (``rollout.vllm.backend: ipc``),
   which passes JSON handles only.
+- ``FanOutClient`` drives several engines with one trainer engine (vLLM's HTTP client drives
+  one): each call concurrently to all, the NCCL ``rank_offset`` shifted per engine.
 - ``send_verified`` sends, then asks every engine's workers for the digest of the weights they
   hold (``dist_sr_held_weights``, recorded in the model's ``load_weights``, where vLLM's dense
   ``nccl`` receiver, packed or not, ends) and compares each tensor sent with it: an engine that
@@ -40,6 +46,7 @@ Without vLLM installed ``KeyedWeightSource`` refuses to be built, saying so; the
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 from ...numerics.digest import combine, dtype_name, piece_sum
@@ -149,6 +156,13 @@ class SignedClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
 
+    def world_size(self) -> int:
+        """The engine's worker count (vLLM's ``/get_world_size``)."""
+        answer = http(self.url, "/get_world_size", timeout=self.timeout_s, secret=self.secret)
+        if not isinstance(answer.get("world_size"), int) or answer["world_size"] < 1:
+            raise EngineError(f"{self.url}/get_world_size answered {answer!r}, not a worker count")
+        return answer["world_size"]
+
     def held_weights(self) -> list[dict]:
         """Every worker's ``dist_sr_held_weights``: ``{"method", "digests"}`` each."""
         results = self._post("collective_rpc", {"method": "dist_sr_held_weights"}).get("results")
@@ -158,6 +172,73 @@ class SignedClient:
                 "worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
             )
         return results
+
+
+class FanOutClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol for several ``vllm serve`` engines driven as one:
+    every call goes to all of them at once (an NCCL engine's init and update block inside
+    collectives every engine joins, so one at a time would never return), and an NCCL init
+    info's ``rank_offset`` is shifted for each engine past the workers of the engines before it.
+    ``world_size`` in the trainer's init info counts the trainer's sender ranks (vLLM puts them
+    first) and every engine's workers; a mismatch is refused before any engine is called. Errors
+    of every engine are raised together, each naming its engine."""
+
+    def __init__(self, clients: list[SignedClient]):
+        if not clients:
+            raise ValueError("FanOutClient needs at least one engine's SignedClient")
+        self.clients = clients
+        self._workers: list[int] | None = None
+
+    def workers(self) -> list[int]:
+        """Each engine's worker count (its NCCL ranks), asked once."""
+        if self._workers is None:
+            self._workers = [c.world_size() for c in self.clients]
+        return self._workers
+
+    def _each(self, call, args: list) -> None:
+        errors: list[str] = []
+
+        def run(client, arg):
+            try:
+                call(client, arg)
+            except EngineError as exc:
+                errors.append(str(exc))
+            except Exception as exc:  # noqa: BLE001  (named with its engine, raised below)
+                errors.append(f"{client.url}: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=run, args=(c, a), daemon=True) for c, a in zip(self.clients, args)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise EngineError("; ".join(sorted(errors)))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        infos = [init_info] * len(self.clients)
+        if "rank_offset" in init_info:  # NCCL: each engine's workers take the ranks after the last's
+            first, sizes = int(init_info["rank_offset"]), self.workers()
+            expected = first + sum(sizes)
+            if init_info.get("world_size") != expected:
+                raise EngineError(
+                    f"init_info world_size={init_info.get('world_size')!r}, but the trainer's {first} sender "
+                    f"rank(s) and the workers of {len(sizes)} engines ({' + '.join(map(str, sizes))}) make "
+                    f"{expected}: pass world_size={expected} in the trainer's init info"
+                )
+            infos = [dict(init_info, rank_offset=first + sum(sizes[:k])) for k in range(len(sizes))]
+        self._each(lambda c, info: c.init_weight_transfer_engine(info), infos)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._each(lambda c, _: c.shutdown_weight_transfer_engine(), [None] * len(self.clients))
+
+    def start_weight_update(self) -> None:
+        self._each(lambda c, _: c.start_weight_update(), [None] * len(self.clients))
+
+    def update_weights(self, update_info) -> None:
+        self._each(lambda c, info: c.update_weights(info), [update_info] * len(self.clients))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._each(lambda c, v: c.finish_weight_update(v), [weight_version] * len(self.clients))
 
 
 def held_digest_entries(held: dict) -> Entries:
