@@ -115,22 +115,26 @@ class ShardRounder:
         if ctx.cache_rounded:
             bits, offset = self.current(src)
         else:
-            layout = self.layout_of(src)
-            job = layout.job(src._name, src._data, torch.empty(layout.numel, dtype=torch.bfloat16, device=src.device))
-            stochastic_round(
-                job.x,
-                seed=ctx.seed,
-                step=ctx.step,
-                param=job.param,
-                offset=job.offset,
-                mode=ctx.mode,
-                out=job.out,
-                backend=ctx.backend,
-                row_stride=job.row_stride,
-            )
-            bits, offset = job.out.view(-1), job.offset
-        self._record([(src._name, bits, offset)])
+            bits, offset = self._fresh(src)
+        if ctx.record_gathers:
+            self._record([(src._name, bits, offset)])
         return bits if bits.shape == src.shape else bits.view(src.shape)
+
+    def _fresh(self, src: Shadow) -> tuple[torch.Tensor, int]:
+        ctx, layout = self.ctx, self.layout_of(src)
+        job = layout.job(src._name, src._data, torch.empty(layout.numel, dtype=torch.bfloat16, device=src.device))
+        stochastic_round(
+            job.x,
+            seed=ctx.seed,
+            step=ctx.step,
+            param=job.param,
+            offset=job.offset,
+            mode=ctx.mode,
+            out=job.out,
+            backend=ctx.backend,
+            row_stride=job.row_stride,
+        )
+        return job.out.view(-1), job.offset
 
     def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
         if self._rounded_at != (self.ctx.step, self.ctx.version):
@@ -142,8 +146,12 @@ class ShardRounder:
     def current(self, src: Shadow) -> tuple[torch.Tensor, int]:
         """``(flat BF16 bits, offset)`` of ``src`` at the current key, rounding every shard of the
         model first when the key has moved on since the last rounding."""
-        self.layout_of(src)  # refuses anything but an all-gather input; notices re-created shards
-        if self._rounded_at != (self.ctx.step, self.ctx.version):
+        layout = self.layouts.get(src._name)
+        if layout is None or not layout.holds(src._data):
+            self.layout_of(src)  # refuses anything but an all-gather input; reads re-created shards
+        ctx = self.ctx
+        at = self._rounded_at
+        if at is None or at[0] != ctx.step or at[1] != ctx.version:
             self._round_all()
         return self._kept[src._name]
 

@@ -127,7 +127,8 @@ _KEEP = {
 # the casts that would lose the master's low bits: FSDP2's all-gather cast (a foreach copy, or
 # ``.to(param_dtype)`` where it takes its slow path) becomes the keyed rounding; anything else
 # that lowers a wrapped master's precision is refused rather than rounded to nearest
-_CASTS = {aten._foreach_copy_.default, aten._to_copy.default, aten.copy_.default}
+_FOREACH_COPY, _TO_COPY, _COPY = aten._foreach_copy_.default, aten._to_copy.default, aten.copy_.default
+_CASTS = {_FOREACH_COPY, _TO_COPY, _COPY}
 
 
 def _lowers(dtype) -> bool:
@@ -216,7 +217,7 @@ _NOT_A_CAST = object()
 def _cast(func, args, kwargs):
     """A cast of wrapped masters to a lower precision, done with the key; ``_NOT_A_CAST`` for
     anything else (an FP32 copy, a device move), which dispatch runs as any other op."""
-    if func is aten._foreach_copy_.default:  # FSDP2's all-gather copy-in of a whole group
+    if func is _FOREACH_COPY:  # FSDP2's all-gather copy-in of a whole group
         outs, srcs = args[0], args[1]
         keyed = [isinstance(s, SRShadowParam) and _lowers(o.dtype) for o, s in zip(outs, srcs)]
         if not any(keyed):
@@ -232,7 +233,7 @@ def _cast(func, args, kwargs):
         for group in by_ctx.values():  # (two SR models in one process gather in separate groups)
             group[0][0]._ctx.rounder.into(group)
         return None
-    if func is aten._to_copy.default:  # FSDP2's per-parameter path: ``.to(param_dtype)``
+    if func is _TO_COPY:  # FSDP2's per-parameter path: ``.to(param_dtype)``
         if not _lowers(kwargs.get("dtype")):
             return _NOT_A_CAST
         if kwargs["dtype"] != torch.bfloat16 or kwargs.get("device") not in (None, args[0].device):
