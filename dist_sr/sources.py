@@ -19,7 +19,7 @@ from typing import Iterable, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from .numerics.digest import combine, dtype_name, piece_sum
+from .numerics.digest import combine, dtype_name, piece_sums
 from .numerics.key import normalize_param_name
 from .numerics.shards import split_range
 
@@ -97,7 +97,8 @@ def digest_entries(source, world: int, group=None) -> dict:
     """Every rank: digest entries of the source's tensors from the pieces each rank holds, one
     tensor at a time (nothing is gathered or materialised whole); collective."""
     metas = source.metadata()
-    sums = {p.name: piece_sum(p.bits, p.start) for p in source.local_pieces([m[0] for m in metas]) if p.end > p.start}
+    pieces = [p for p in source.local_pieces([m[0] for m in metas]) if p.end > p.start]
+    sums = dict(zip([p.name for p in pieces], piece_sums([(p.bits, p.start) for p in pieces])))
     return add_rank_sums(sums, metas, world, group)
 
 

@@ -39,15 +39,46 @@ def piece_sum(values: torch.Tensor, start: int) -> int:
     return piece_sum_reference(flat, start)
 
 
+def piece_sums(pieces: list[tuple[torch.Tensor, int]]) -> list[int]:
+    """``piece_sum`` of each ``(values, start)``: host pieces one pass each (the C++ kernel), device
+    pieces summed where they live and read back together, one synchronisation for all of them
+    (a bucket's worth) instead of two per piece."""
+    out: list[int | None] = [None] * len(pieces)
+    pending: list[tuple[int, list[torch.Tensor]]] = []
+    kernel = cpu.loaded()
+    for i, (values, start) in enumerate(pieces):
+        flat = values.reshape(-1)
+        if flat.device.type == "cpu" and kernel is not None:
+            out[i] = kernel.piece_sum(flat.contiguous(), start) & MASK64
+        else:
+            pending.append((i, _halves(flat, start)))
+    by_device: dict[torch.device, list[tuple[int, list[torch.Tensor]]]] = {}
+    for i, halves in pending:
+        by_device.setdefault(halves[0].device, []).append((i, halves))
+    for group in by_device.values():
+        read = torch.stack([h for _, halves in group for h in halves]).tolist()  # the one read-back
+        at = 0
+        for i, halves in group:
+            out[i] = _fold(read[at : at + len(halves)])
+            at += len(halves)
+    return out  # type: ignore[return-value]
+
+
 def piece_sum_reference(flat: torch.Tensor, start: int) -> int:
     """The definition in torch (any device). The 64-bit terms are summed as two 32-bit halves in
-    int64 on the device (exact: no overflow below 2^31 terms per flush), read back once per
-    2^30 elements, so a GPU tensor costs a handful of synchronisations."""
+    int64 on the device (exact: no overflow below 2^31 terms per window), read back once per
+    piece."""
+    return _fold(torch.stack(_halves(flat, start)).tolist())
+
+
+def _halves(flat: torch.Tensor, start: int) -> list[torch.Tensor]:
+    """``[lo, hi]`` int64 device scalars per window of 2^30 elements of ``flat`` (elements
+    ``start..``): the low and high 32-bit halves of its terms, summed; nothing is read back."""
     width = flat.element_size()
     words = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
     chunk = _CHUNK if words.device.type == "cpu" else _CHUNK * 16
     index_mix = torch.arange(chunk, dtype=torch.int64, device=words.device) * _GAMMA  # j * GAMMA, wrapping
-    total = 0
+    out = []
     lo = hi = torch.zeros((), dtype=torch.int64, device=words.device)
     for s in range(0, words.numel(), chunk):
         v = words[s : s + chunk].to(torch.int64)
@@ -56,11 +87,15 @@ def piece_sum_reference(flat: torch.Tensor, start: int) -> int:
         z = z ^ logical_shr(z, 32)
         lo = lo + (z & 0xFFFFFFFF).sum()
         hi = hi + logical_shr(z, 32).sum()
-        if (s // chunk + 1) % ((1 << 30) // chunk) == 0:  # flush before the halves could overflow
-            total += int(lo) + (int(hi) << 32)
+        if (s // chunk + 1) % ((1 << 30) // chunk) == 0:  # a new window before the halves could overflow
+            out.append(torch.stack([lo, hi]))
             lo = hi = torch.zeros_like(lo)
-    total += int(lo) + (int(hi) << 32)
-    return total & MASK64
+    out.append(torch.stack([lo, hi]))
+    return out
+
+
+def _fold(halves: list[list[int]]) -> int:
+    return sum(lo + (hi << 32) for lo, hi in halves) & MASK64
 
 
 def combine(entries: dict[str, tuple[str, tuple[int, ...], int]]) -> str:

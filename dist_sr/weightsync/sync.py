@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import faults
 from ..numerics import delta as delta_codec
-from ..numerics.digest import combine, piece_sum
+from ..numerics.digest import combine, piece_sums
 from ..sources import WeightSource, add_rank_sums, layout_free_digest
 from . import auth
 from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, NoReadyEngineError
@@ -385,7 +385,7 @@ class WeightSync:
                     if self.delta:
                         kept.extend((n, s, bits) for n, s, bits in pieces)
                 if verify:  # while the bucket is on the wire (the sums read the pieces, not the buffer)
-                    sums.update({n: piece_sum(bits, s) for n, s, bits in pieces})
+                    sums.update(zip([n for n, _, _ in pieces], piece_sums([(bits, s) for _, s, bits in pieces])))
                 if work is not None:
                     work.wait()
         except RuntimeError as exc:

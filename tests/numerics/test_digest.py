@@ -56,10 +56,48 @@ def test_the_cpu_kernel_sums_exactly_what_the_torch_definition_sums(dtype):
             assert piece_sum(x, start) == expected  # the public function takes the kernel now
 
 
+def _pieces():
+    g = torch.Generator().manual_seed(7)
+    return [
+        ((torch.randn(n, generator=g) * 100).to(dtype), start)
+        for n, dtype, start in (
+            (0, torch.bfloat16, 3),
+            (1, torch.float32, 0),
+            (1000, torch.bfloat16, 2**40 + 3),
+            ((1 << 19) + 5, torch.float32, 17),
+            (33, torch.float16, 5),
+        )
+    ]
+
+
+def test_a_buckets_sums_read_back_together_are_each_pieces_sum(monkeypatch):
+    """``piece_sums`` (what a sync digests each bucket with): the kernel's sums on host pieces,
+    and the device path (taken here by hiding the kernel), whose pieces are summed where they
+    live and read back once, gives the same sums."""
+    pieces = _pieces()
+    expected = [piece_sum(x, start) for x, start in pieces]
+    assert digest.piece_sums(pieces) == expected
+    monkeypatch.setattr(digest.cpu, "loaded", lambda: None)
+    assert digest.piece_sums(pieces) == expected
+    assert digest.piece_sums([]) == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_engine_sums_what_the_cpu_sums():
-    """Engines on GPUs digest CUDA tensors (torch path there): same sums as the CPU."""
+    """Engines on GPUs digest CUDA tensors (torch path there): same sums as the CPU, and a
+    bucket's pieces read back with one synchronisation."""
     g = torch.Generator().manual_seed(6)
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn((1 << 20) + 3, generator=g) * 100).to(dtype)
         assert piece_sum(x.cuda(), 2**33 + 1) == piece_sum(x, 2**33 + 1)
+    pieces = _pieces()
+    on_device = [(x.cuda(), start) for x, start in pieces]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as syncs:
+            sums = digest.piece_sums(on_device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sums == [piece_sum(x, start) for x, start in pieces]
+    assert len([w for w in syncs if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in syncs]

@@ -102,7 +102,7 @@ class ShardRounder:
         if group is None:
             kept = [self.current(src) for src, _ in pairs]
             group = self._groups[where] = ([bits for bits, _ in kept], [offset for _, offset in kept])
-        elif self._rounded_at != (ctx.step, ctx.version):
+        elif self._stale():
             self._round_all()
         torch._foreach_copy_([out for _, out in pairs], group[0])
         self._record([(src._name, bits, offset) for (src, _), bits, offset in zip(pairs, *group)])
@@ -137,7 +137,7 @@ class ShardRounder:
         return job.out.view(-1), job.offset
 
     def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
-        if self._rounded_at != (self.ctx.step, self.ctx.version):
+        if self._stale():
             return None
         return self._kept.get(name)
 
@@ -149,11 +149,15 @@ class ShardRounder:
         layout = self.layouts.get(src._name)
         if layout is None or not layout.holds(src._data):
             self.layout_of(src)  # refuses anything but an all-gather input; reads re-created shards
-        ctx = self.ctx
-        at = self._rounded_at
-        if at is None or at[0] != ctx.step or at[1] != ctx.version:
+        if self._stale():
             self._round_all()
         return self._kept[src._name]
+
+    def _stale(self) -> bool:
+        """Whether the kept shards hold another key than the current one (a step taken, masters
+        written): they are rounded again before anything reads them."""
+        at, ctx = self._rounded_at, self.ctx
+        return at is None or at[0] != ctx.step or at[1] != ctx.version
 
     def _round_all(self) -> None:
         ctx = self.ctx
