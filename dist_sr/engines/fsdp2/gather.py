@@ -3,7 +3,7 @@ local FP32 shard, done for the whole model in one batched kernel call per step.
 
 FSDP2 casts a group's padded local shards to ``param_dtype`` right before each all-gather: with a
 ``torch._foreach_copy_`` into the all-gather buffer (its fast path), or one ``.to()`` per
-parameter (world size 1, older torch). ``Shadow``'s dispatch hands both here. The first
+parameter (world size 1, older torch). ``SRShadowParam``'s dispatch (hook.py) hands both here. The first
 cast at a new key (the step after an optimizer step, or masters written) rounds every wrapped
 shard of this rank into kept BF16 shards; every cast then copies a kept shard, so a step costs
 one rounding launch however many groups and re-gathers there are, and FSDP2 keeps its own copies
@@ -38,7 +38,7 @@ class KeyState(Protocol):
     module: Any  # weakref to the wrapped model
 
 
-# ``src`` below is an ``Shadow`` (hook.py), the FP32 master as FSDP2 hands it to its cast:
+# ``src`` below is an ``SRShadowParam`` (hook.py), the FP32 master as FSDP2 hands it to its cast:
 # ``src._data`` the plain FP32 tensor, ``src._name`` the name it is keyed by.
 Shadow = Any
 
@@ -100,7 +100,11 @@ class ShardRounder:
         where = tuple(src._data.data_ptr() for src, _ in pairs)
         group = self._groups.get(where)
         if group is None:
-            kept = [self.current(src) for src, _ in pairs]
+            for src, _ in pairs:  # every shard checked before any bits are taken: a re-read rebuilds the batch
+                self._check(src)
+            if self._stale():
+                self._round_all()
+            kept = [self._kept[src._name] for src, _ in pairs]
             group = self._groups[where] = ([bits for bits, _ in kept], [offset for _, offset in kept])
         elif self._stale():
             self._round_all()
@@ -146,12 +150,16 @@ class ShardRounder:
     def current(self, src: Shadow) -> tuple[torch.Tensor, int]:
         """``(flat BF16 bits, offset)`` of ``src`` at the current key, rounding every shard of the
         model first when the key has moved on since the last rounding."""
-        layout = self.layouts.get(src._name)
-        if layout is None or not layout.holds(src._data):
-            self.layout_of(src)  # refuses anything but an all-gather input; reads re-created shards
+        self._check(src)
         if self._stale():
             self._round_all()
         return self._kept[src._name]
+
+    def _check(self, src: Shadow) -> None:
+        """Refuse anything but an all-gather input; read the layouts again for a re-created shard."""
+        layout = self.layouts.get(src._name)
+        if layout is None or not layout.holds(src._data):
+            self.layout_of(src)
 
     def _stale(self) -> bool:
         """Whether the kept shards hold another key than the current one (a step taken, masters
@@ -197,18 +205,19 @@ class ShardRounder:
         module = self.ctx.module() if self.ctx.module is not None else None
         if module is None:
             return
-        layouts = {}
+        found = {}
         for p in module.parameters():  # the sharded ones (FSDP2 swaps in BF16 ones only inside forward)
             # the DTensor's own local tensor: to_local() would make a view, and views made while
             # a cast is being dispatched come out plain
             local = getattr(p, "_local_tensor", None)
             if getattr(local, "_ctx", None) is self.ctx:
-                layouts[local._name] = GatherLayout.of(*padded_shard(p), local._data)  # type: ignore[union-attr]
-        if layouts.keys() != self.layouts.keys() or any(
-            not self.layouts[n].holds(layout.source) for n, layout in layouts.items()
-        ):
+                found[local._name] = GatherLayout.of(*padded_shard(p), local._data)  # type: ignore[union-attr]
+        # a parameter unsharded right now keeps its layout: a shard of it re-created since fails
+        # holds() at its next gather, which reads the layouts again
+        if any(n not in self.layouts or not self.layouts[n].holds(lay.source) for n, lay in found.items()):
             # what was rounded from shards FSDP2 no longer uses is dropped
-            self.layouts, self._batch, self._rounded_at = layouts, None, None
+            self.layouts = {**self.layouts, **found}
+            self._batch, self._rounded_at = None, None
             self._groups.clear()
 
 
