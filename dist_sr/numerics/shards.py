@@ -62,23 +62,16 @@ def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int] | N
     and at most one ``Shard`` are supported (FSDP2, HSDP). ``rows = (row_len, row_stride)`` marks
     a shard on a non-leading dim: viewed as ``[-1, row_len]``, its row ``r`` starts at global
     ``offset + r * row_stride``."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
         return p, 0, None
     local = p.to_local()
-    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
-    if not shards:
+    sharded = _sharding(p)
+    if sharded is None:
         return local, 0, None
-    if len(shards) > 1 or not isinstance(shards[0][1], Shard):
-        raise NotImplementedError(
-            f"keyed rounding of a DTensor with placements {p.placements}: one Shard "
-            "(any number of Replicate) is supported"
-        )
-    mesh_dim, placement = shards[0]
-    world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
-    dim, shape = placement.dim, tuple(p.shape)  # type: ignore[attr-defined]  # a Shard placement
-    chunk, inner = chunking(shape, dim, world)
+    dim, chunk, inner, coord = sharded
+    shape = tuple(p.shape)
     offset = min(coord * chunk, shape[dim]) * inner
     if dim == 0 or math.prod(shape[:dim]) == 1:
         return local, offset, None
@@ -90,23 +83,33 @@ def padded_shard(p: torch.Tensor) -> tuple[int, tuple[int, int] | None, tuple[in
     parameter ``p`` (a DTensor): what its all-gather sends. Every rank's shard is padded to the
     first one's ``ceil(size / world)`` rows along the shard dim; the padding holds zeros, which
     round to zero under any key. ``rows`` as in ``local_shard``, for the padded shard."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]  # type: ignore[attr-defined]
-    if not shards:
-        return 0, None, tuple(p.shape)
-    if len(shards) > 1 or not isinstance(shards[0][1], Shard):
-        raise NotImplementedError(
-            f"keyed rounding of FSDP2 shards with placements {p.placements}: one Shard "  # type: ignore[attr-defined]
-            "(any number of Replicate) is supported"
-        )
-    mesh_dim, placement = shards[0]
-    world, coord = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)  # type: ignore[attr-defined]
-    dim, shape = placement.dim, tuple(p.shape)
-    chunk, inner = chunking(shape, dim, world)
+    shape = tuple(p.shape)
+    sharded = _sharding(p)
+    if sharded is None:
+        return 0, None, shape
+    dim, chunk, inner, coord = sharded
     padded = shape[:dim] + (chunk,) + shape[dim + 1 :]
     rows = None if dim == 0 or math.prod(shape[:dim]) == 1 else (chunk * inner, shape[dim] * inner)
     return coord * chunk * inner, rows, padded
+
+
+def _sharding(p) -> tuple[int, int, int, int] | None:
+    """``(shard dim, rows per shard, elements per row, this rank's shard index)`` of DTensor
+    ``p``; None when nothing is sharded. Refuses more than one ``Shard`` placement."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not shards:
+        return None
+    if len(shards) > 1 or not isinstance(shards[0][1], Shard):
+        raise NotImplementedError(
+            f"keyed rounding of a DTensor with placements {p.placements}: one Shard "
+            "(any number of Replicate) is supported"
+        )
+    mesh_dim, placement = shards[0]
+    dim = placement.dim  # a Shard placement
+    chunk, inner = chunking(tuple(p.shape), dim, p.device_mesh.size(mesh_dim))
+    return dim, chunk, inner, p.device_mesh.get_local_rank(mesh_dim)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

@@ -45,12 +45,12 @@ def test_a_padded_shard_lies_where_dtensor_puts_it_on_any_dim():
     run_workers(_shard_worker, 2)
 
 
-def _build(layers):
+def _build(layers, device="cpu"):
     from torch.distributed.fsdp import fully_shard
 
     from dist_sr.engines import fsdp2
 
-    model = tiny_qwen2(layers=layers)
+    model = tiny_qwen2(layers=layers).to(device)
     ctx = fsdp2.prepare(model, seed=SEED)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
@@ -146,7 +146,6 @@ def _cuda_worker(rank, port, steps):
     import os
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from dist_sr import stochastic_round
     from dist_sr.engines import fsdp2
@@ -157,13 +156,7 @@ def _cuda_worker(rank, port, steps):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        model = tiny_qwen2(layers=2).cuda()
-        ctx = fsdp2.prepare(model, seed=SEED)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
-        fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-        ctx.track(opt)
+        model, ctx, opt = _build(2, "cuda")
         ids = torch.randint(0, 3, (4, 9), generator=torch.Generator().manual_seed(7)).cuda()
 
         def no_sync(method):  # dist-sr's part of the step: FSDP2's casts, the rounding

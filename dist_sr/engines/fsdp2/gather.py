@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...numerics import RoundingBatch, RoundingJob, round_jobs, stochastic_round
+from ...numerics import RoundingBatch, RoundingJob, round_jobs
 from ...numerics.shards import padded_shard
 from ...replica import tensor_digest
 
@@ -127,17 +127,7 @@ class ShardRounder:
     def _fresh(self, src: Shadow) -> tuple[torch.Tensor, int]:
         ctx, layout = self.ctx, self.layout_of(src)
         job = layout.job(src._name, src._data, torch.empty(layout.numel, dtype=torch.bfloat16, device=src.device))
-        stochastic_round(
-            job.x,
-            seed=ctx.seed,
-            step=ctx.step,
-            param=job.param,
-            offset=job.offset,
-            mode=ctx.mode,
-            out=job.out,
-            backend=ctx.backend,
-            row_stride=job.row_stride,
-        )
+        round_jobs([job], seed=ctx.seed, step=ctx.step, mode=ctx.mode, backend=ctx.backend)
         return job.out.view(-1), job.offset
 
     def sent(self, name: str) -> tuple[torch.Tensor, int] | None:
