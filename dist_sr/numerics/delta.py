@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import Refusal
+
 LAYOUTS = ("bitmap", "gaps", "dense")
 MAGIC = b"DSRD"
 _HEADER = struct.Struct("<4sBBxxQQQQQQ")  # magic, format version, layout, numel, changed, escapes,
@@ -44,8 +46,11 @@ HEADER_BYTES = _HEADER.size  # position bytes, sign bytes, escape bytes
 _FORMAT = 1
 
 
-class DeltaError(ValueError):
-    """A delta that cannot be applied: wrong size, damaged structure, unknown layout."""
+class DeltaError(Refusal, ValueError):
+    """A delta that cannot be made (versions of another dtype or size) or applied (wrong size,
+    damaged structure, unknown layout)."""
+
+    what = "delta refused"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,11 @@ def encode(
     CUDA tensors the Triton passes (``triton=False``: torch ops), ``reference=True`` the torch
     reference; all give the same bytes."""
     a, b = _codes(old, "the old version"), _codes(new, "the new version")
+    if old.dtype != new.dtype:
+        raise DeltaError(
+            f"the versions differ in dtype: old {old.dtype}, new {new.dtype}; a delta steps one 16-bit grid, "
+            "so the weights' dtype changed between versions: send this version dense"
+        )
     if a.numel() != b.numel():
         raise DeltaError(f"the versions differ in size: {a.numel()} vs {b.numel()} elements")
     if layout is not None and layout not in LAYOUTS:

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from dist_sr.config import Refusal
 from dist_sr.numerics import delta
 from dist_sr.numerics.backends import cpu
 from dist_sr.numerics.rounding import stochastic_round
@@ -191,6 +192,17 @@ def test_bad_input_names_the_problem():
         delta.encode(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(delta.DeltaError, match="unknown delta layout"):
         delta.encode(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), layout="rle")
+
+
+def test_versions_of_two_16_bit_dtypes_are_refused_naming_both():
+    """A BF16 version and an FP16 one share a size but not a grid: their codes' difference steps
+    nothing, so a delta between them is refused on every path, naming both dtypes and the fix."""
+    old = torch.ones(8, dtype=torch.bfloat16)
+    for reference in (False, True):
+        for a, b in ((old, old.to(torch.float16)), (old.to(torch.float16), old)):
+            with pytest.raises(delta.DeltaError, match=rf"differ in dtype: old {a.dtype}, new {b.dtype}.*dense"):
+                delta.encode(a, b, reference=reference)
+    assert issubclass(delta.DeltaError, Refusal)  # the command line prints it as one line
 
 
 def test_a_delta_never_costs_more_than_the_dense_tensor():
