@@ -1,15 +1,23 @@
-"""Turns on the DeepSpeed JSON's ``"stochastic_rounding"`` block for scripts that call
-``deepspeed.initialize`` themselves: no code change, only the config.
+"""dist-sr's start-up hook: the switches a job sets in its environment or config work in code
+that never imports dist-sr (``deepspeed.initialize`` in OpenRLHF, transformers' Trainer, a user's
+own script; verl's workers).
 
-``dist-sr deepspeed-hook install`` writes ``dist_sr_deepspeed_hook.pth`` into the environment's
-site-packages; Python runs its one line at start-up, which imports this module. It imports
-nothing heavy: it only registers an import finder, and when (if ever) ``deepspeed`` is imported,
-it replaces ``deepspeed.initialize`` with ``dist_sr.engines.deepspeed.hooked_initialize``.
-That wrapper passes every call whose config has no enabled SR block through untouched, and
-otherwise attaches keyed SR (or fails loudly: an untested DeepSpeed version, no bf16).
+The wheel ships ``dist_sr_deepspeed_hook.pth`` (``setup.py``), so ``pip install dist-sr`` alone
+turns it on; ``dist-sr deepspeed-hook install`` writes the same file where a wheel did not (an
+editable install). Python runs its one line at start-up, which imports this module. It imports
+nothing heavy: it registers an import finder that acts only when one of ``WATCHED`` is imported:
 
-``DIST_SR_DEEPSPEED_HOOK=0`` disables it for one process; ``dist-sr deepspeed-hook uninstall``
-removes the file.
+- ``deepspeed``: ``deepspeed.initialize`` becomes ``dist_sr.engines.deepspeed.hooked_initialize``,
+  which passes every call that asks for no SR through untouched, and otherwise attaches keyed SR
+  (the config's ``"stochastic_rounding"`` block, or ``DIST_SR_SEED``) or fails loudly (an
+  untested DeepSpeed version, no bf16).
+- ``verl.workers.engine.fsdp.transformer_impl`` with ``DIST_SR_SEED`` set: ``dist_sr.integrations.verl``
+  patches verl's FSDP2 engine, as ``actor_rollout_ref.model.external_lib`` would.
+
+``DIST_SR_DEEPSPEED_HOOK=0`` turns the hook off for one process: then a job that still asks for SR
+(``DIST_SR_SEED``, an enabled block) is refused at ``deepspeed.initialize``, never trained
+round-to-nearest. ``dist-sr deepspeed-hook uninstall`` removes the file; ``status`` says whether
+it is installed and active.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import sys
 
 ENV = "DIST_SR_DEEPSPEED_HOOK"
+SEED_ENV = "DIST_SR_SEED"  # dist_sr.engines.deepspeed.config.SEED_ENV, without importing dist_sr at start-up
 PTH_NAME = "dist_sr_deepspeed_hook.pth"
 # the .pth line: a missing dist-sr (uninstalled without removing the file) must not break start-up
 PTH_LINE = (
@@ -28,11 +37,63 @@ PTH_LINE = (
 )
 
 
-class _Loader(importlib.abc.Loader):
-    """deepspeed's own loader, plus the patch once its ``__init__`` has run."""
+def _patch_deepspeed(module) -> None:
+    from dist_sr.engines.deepspeed.hook import hooked_initialize
 
-    def __init__(self, inner):
-        self.inner = inner
+    if not getattr(module.initialize, "__dist_sr_hook__", False):
+        module.initialize = hooked_initialize(module.initialize)
+
+
+def _guard_deepspeed(module) -> None:
+    """The hook is off: a call that still asks for SR is refused instead of trained round-to-nearest.
+    Imports dist-sr only when ``deepspeed.initialize`` is called (the off switch is also the way
+    around a broken dist-sr install): without it, only ``DIST_SR_SEED`` can be seen."""
+    import functools
+
+    original = module.initialize
+    if getattr(original, "__dist_sr_hook__", False) or getattr(original, "__dist_sr_guard__", False):
+        return
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        try:
+            from dist_sr.engines.deepspeed.hook import take_sr_block
+        except ImportError:
+            asked = f"{SEED_ENV}={os.environ[SEED_ENV]!r}" if os.environ.get(SEED_ENV, "").strip() else None
+        else:
+            sr, _, _ = take_sr_block(args, kwargs)
+            asked = None if sr is None else f"seed {sr.seed}, mode {sr.mode}"
+        if asked is not None:
+            raise RuntimeError(
+                f"dist-sr: this job asks for keyed stochastic rounding ({asked}: the DeepSpeed config's "
+                f'"stochastic_rounding" block or {SEED_ENV}), but {ENV}={os.environ.get(ENV)!r} turns '
+                f"dist-sr's hook off in this process, so DeepSpeed would train round-to-nearest. Unset "
+                f"{ENV}, or drop the block and {SEED_ENV} to train without SR"
+            )
+        return original(*args, **kwargs)
+
+    initialize.__dist_sr_guard__ = True
+    module.initialize = initialize
+
+
+def _enable_verl(module) -> None:
+    if os.environ.get(SEED_ENV, "").strip():
+        import dist_sr.integrations.verl  # noqa: F401  (patches verl's FSDPEngine at import)
+
+
+# module -> what runs right after it is imported (hook on); the guard's table (hook off)
+WATCHED = {
+    "deepspeed": _patch_deepspeed,
+    "verl.workers.engine.fsdp.transformer_impl": _enable_verl,
+}
+GUARDED = {"deepspeed": _guard_deepspeed}
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, plus ``after`` once the module has run."""
+
+    def __init__(self, inner, after):
+        self.inner, self.after = inner, after
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
@@ -40,28 +101,33 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self.inner.exec_module(module)
         try:
-            from dist_sr.engines.deepspeed.hook import hooked_initialize
-        except Exception as exc:  # a broken dist-sr install must say so, not leave SR configs to RTN
+            self.after(module)
+        except ImportError as exc:
+            if not (exc.name or "").startswith("dist_sr"):
+                raise
+            # a broken dist-sr install must say so, not leave SR configs to round-to-nearest
             raise ImportError(
-                f"dist-sr's deepspeed hook ({PTH_NAME}) could not import dist_sr: {exc!r}. Repair "
-                f"the dist-sr install, or remove the hook (`dist-sr deepspeed-hook uninstall`; "
-                f"{ENV}=0 for one process)"
+                f"dist-sr's start-up hook ({PTH_NAME}) could not import dist_sr while {module.__name__} "
+                f"was imported: {exc!r}. Repair the dist-sr install, or remove the hook (`dist-sr "
+                f"deepspeed-hook uninstall`; {ENV}=0 for one process)"
             ) from exc
-        if not getattr(module.initialize, "__dist_sr_hook__", False):
-            module.initialize = hooked_initialize(module.initialize)
 
     def __getattr__(self, name):  # resource readers etc. come from the real loader
         return getattr(self.inner, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, table: dict):
+        self.table = table
+
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
+        after = self.table.get(name)
+        if after is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader)
+        spec.loader = _Loader(spec.loader, after)
         return spec
 
 
@@ -70,22 +136,20 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """Install the finder (idempotent; a no-op when disabled or when deepspeed is already imported,
-    in which case ``patch_loaded()`` does the job)."""
-    if not enabled() or any(isinstance(f, _Finder) for f in sys.meta_path):
+    """Install the finder (idempotent); modules already imported are patched now. With the hook
+    off, only the guard (a DeepSpeed call asking for SR is refused)."""
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
-    if "deepspeed" in sys.modules:
-        patch_loaded()
-        return
-    sys.meta_path.insert(0, _Finder())
+    table = WATCHED if enabled() else GUARDED
+    for name, after in table.items():
+        if name in sys.modules:
+            after(sys.modules[name])
+    sys.meta_path.insert(0, _Finder(table))
 
 
 def patch_loaded() -> None:
-    from dist_sr.engines.deepspeed.hook import hooked_initialize
-
-    ds = sys.modules["deepspeed"]
-    if not getattr(ds.initialize, "__dist_sr_hook__", False):
-        ds.initialize = hooked_initialize(ds.initialize)
+    """Patch an already imported ``deepspeed`` (the hook's job when it was registered too late)."""
+    _patch_deepspeed(sys.modules["deepspeed"])
 
 
 def site_dir() -> str:
@@ -132,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.action == "install":
         print(
             f"installed {install(a.site_dir)}: scripts that call deepspeed.initialize now honour the config's "
-            f'"stochastic_rounding" block ({ENV}=0 turns it off for one process)'
+            f'"stochastic_rounding" block and {SEED_ENV} ({ENV}=0 turns it off for one process)'
         )
     elif a.action == "uninstall":
         print(f"removed {path}" if uninstall(a.site_dir) else f"not installed ({path} does not exist)")
     else:
         there = os.path.exists(path)
-        active = any(isinstance(f, _Finder) for f in sys.meta_path) or getattr(
+        active = any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path) or getattr(
             getattr(sys.modules.get("deepspeed"), "initialize", None), "__dist_sr_hook__", False
         )
         print(

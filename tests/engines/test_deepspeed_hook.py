@@ -107,12 +107,14 @@ def test_the_pth_line_patches_deepspeed_at_import_and_tolerates_a_missing_packag
     probe = (
         "import site, sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_Finder']; "
         "{pre}site.addsitedir({d!r}); import deepspeed; "
-        "print('hooked' if getattr(deepspeed.initialize, '__dist_sr_hook__', False) else 'plain')"
+        "print('hooked' if getattr(deepspeed.initialize, '__dist_sr_hook__', False) else "
+        "'guarded' if getattr(deepspeed.initialize, '__dist_sr_guard__', False) else 'plain')"
     )
     r = _python(probe.format(d=str(tmp_path), pre=""))
     assert r.stdout.strip().splitlines()[-1] == "hooked", r.stderr
+    # off: only the guard that refuses a job still asking for SR (tests/engines/test_wheel_install.py)
     r = _python(probe.format(d=str(tmp_path), pre=""), DIST_SR_DEEPSPEED_HOOK="0")
-    assert r.stdout.strip().splitlines()[-1] == "plain", r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "guarded", r.stderr
     # dist-sr uninstalled but the .pth left behind: start-up must still work, silently
     r = _python(probe.format(d=str(tmp_path), pre="sys.modules['dist_sr_deepspeed_hook'] = None; "))
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "plain" and "Error processing" not in r.stderr
@@ -193,11 +195,14 @@ def test_an_unmodified_deepspeed_script_gets_keyed_sr_from_its_json(tmp_path, in
             timeout=300,
             env={**env, **extra},
         )
+        if label == "off":
+            # DeepSpeed alone would ignore the block and train round-to-nearest: refused instead
+            assert r.returncode != 0 and not out.exists()
+            assert "DIST_SR_DEEPSPEED_HOOK='0'" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+            continue
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         results[label] = json.loads(out.read_text())
     assert results["hook"] == results["env"] == {"attached": True, "keyed": True, "rtn": False}
-    # without the hook DeepSpeed ignores the block: round-to-nearest, which is why the hook exists
-    assert results["off"] == {"attached": False, "keyed": False, "rtn": True}
 
 
 HF_SCRIPT = """
