@@ -6,7 +6,7 @@ Points: ``checkpoint.written`` (new checkpoint on disk under a temporary name),
 ``checkpoint.rotated`` (the old one moved aside, the new one not yet in place),
 ``checkpoint.done``, ``checkpoint.quarantined`` (a refused checkpoint moved to ``refused/``,
 its reason not yet written), ``metrics.written`` (a step's record appended), ``sync.bucket`` (a weight
-sync between two buckets).
+sync between two buckets), ``materialize.staged`` (a checkpoint written beside OUT, not yet moved there).
 """
 
 from __future__ import annotations

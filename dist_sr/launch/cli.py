@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     snap_sub = p_snap.add_subparsers(dest="snapshot_command", required=True)
     p_mat = snap_sub.add_parser("materialize", help="base + deltas -> a dense checkpoint an engine serves")
     p_mat.add_argument("snapshot_dir", help="rollout.vllm.snapshot_dir of the job")
-    p_mat.add_argument("out", help="where to write the checkpoint (replaced atomically)")
+    p_mat.add_argument(
+        "out", help="where to write the checkpoint: a new directory or one materialize wrote (replaced atomically)"
+    )
 
     p_k8s = sub.add_parser("k8s", help="render Kubernetes manifests from an experiment config", add_help=False)
     p_k8s.add_argument("args", nargs=argparse.REMAINDER)

@@ -23,6 +23,7 @@ trainer's current version.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -33,9 +34,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import faults
 from ..config import Refusal
-from ..engines.checkpoints import CheckpointCorrupt, verify_manifest, write_atomic, write_manifest
+from ..engines.checkpoints import MANIFEST, CheckpointCorrupt, verify_manifest, write_atomic, write_manifest
 from ..numerics import delta as delta_codec
+from ..numerics.backends import cpu
 from ..numerics.digest import combine, tensor_sums
 from ..sources import digest_entries
 from . import auth
@@ -239,17 +242,52 @@ class Materialized:
     refused: tuple[str, ...] = ()
 
 
+class OutputRefused(SnapshotError):
+    """``materialize``'s OUT cannot be written, or writing it would destroy what it did not write."""
+
+    what = "materialize refused"
+
+
 def materialize(snapshot_dir: str | Path, out: str | Path) -> Materialized:
     """Write the newest version the snapshots can prove to ``out`` (a dense HF checkpoint an
-    engine serves): the newest base whose manifest and digest verify, then its chain of deltas
-    in order, each checked (manifest, continuity, the digest of the result), stopping before the
-    first that fails. Raises ``SnapshotError`` when no base verifies."""
-    root, out = Path(snapshot_dir), Path(out)
+    engine serves): the newest base whose manifest, digest and version (its signed index against
+    its directory name) verify, then its chain of deltas in order, each checked (manifest, its
+    signed version against its name, continuity, the digest of the result), stopping before the
+    first that fails. Raises ``SnapshotError`` when no base verifies.
+
+    ``out`` is refused before anything is touched when it is the snapshot directory, inside it or
+    holds it, is a symlink, a file, or a directory holding files ``materialize`` did not write
+    (``OutputRefused``); an OS error on the way is one refusal naming the path and the fix. Runs
+    into one ``out`` take turns (a lock on its parent directory), each staging under a name of its
+    own, so every run ends in a complete, verified checkpoint or a refusal. Digests and deltas take
+    the C++ kernels where they build (the torch paths give the same bits, ~10x slower)."""
+    given, root = str(out), Path(snapshot_dir)
+    try:
+        target = _check_out(root, given)
+    except OSError as exc:  # a path that cannot even be looked at
+        raise _os_refusal(exc, Path(given)) from None
+    for why in cpu.warm_up():
+        log.info("snapshot: the torch path stands in for %s", why)
+    with _Turn(target):
+        try:
+            tensors, index, m = _newest_provable(root, target)
+        except PermissionError as exc:
+            raise SnapshotError(
+                f"cannot read {exc.filename or root}: {exc.strerror}; run materialize as a user who can read the "
+                "snapshot directory (engines mount it read-only)"
+            ) from None
+        _staged_write(root / f"v{m.base}", index, tensors, target, m.version, m.digest)
+    for r in m.refused:
+        log.warning("snapshot: %s", r)
+    return m
+
+
+def _newest_provable(root: Path, out: Path) -> tuple[dict[str, torch.Tensor], dict, Materialized]:
     refused: list[str] = []
     for base in reversed(_versions(root, "v")):
         try:
-            tensors, index = _load_base(root / f"v{base}")
-        except (CheckpointCorrupt, SnapshotError, OSError, ValueError, KeyError) as exc:
+            tensors, index = _load_base(root / f"v{base}", base)
+        except (CheckpointCorrupt, SnapshotError, OSError, ValueError, KeyError, TypeError) as exc:
             refused.append(f"base v{base}: {exc}")
             continue
         version, digest, good = base, index["metadata"][DIGEST_KEY], []
@@ -259,10 +297,18 @@ def materialize(snapshot_dir: str | Path, out: str | Path) -> Materialized:
             entry = root / CHAIN / f"v{v}"
             try:
                 digest = _apply_chain_entry(entry, tensors, version)
-            except (CheckpointCorrupt, SnapshotError, delta_codec.DeltaError, OSError, ValueError, KeyError) as exc:
+            except (
+                CheckpointCorrupt,
+                SnapshotError,
+                delta_codec.DeltaError,
+                OSError,
+                ValueError,
+                KeyError,
+                TypeError,
+            ) as exc:
                 refused.append(f"delta v{v}: {exc}")
                 # it may have changed tensors part-way: replay the base and the entries that verified
-                tensors, _ = _load_base(root / f"v{base}")
+                tensors, _ = _load_base(root / f"v{base}", base)
                 previous = base
                 for e in good:
                     _apply_chain_entry(e, tensors, previous)
@@ -270,20 +316,18 @@ def materialize(snapshot_dir: str | Path, out: str | Path) -> Materialized:
                 break
             version = v
             good.append(entry)
-        _write_dense(root / f"v{base}", index, tensors, out, version, digest)
-        for r in refused:
-            log.warning("snapshot: %s", r)
-        return Materialized(out, version, digest, base, len(good), tuple(refused))
+        return tensors, index, Materialized(out, version, digest, base, len(good), tuple(refused))
     raise SnapshotError(
         f"no snapshot under {root} verifies: " + ("; ".join(refused) if refused else "there is none yet")
     )
 
 
-def _load_base(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def _load_base(directory: Path, version: int) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors.torch import load_file
 
     verify_manifest(directory, _key())
     index = json.loads((directory / INDEX).read_text())
+    _check_version(directory, index["metadata"].get(VERSION_KEY), version)
     tensors: dict[str, torch.Tensor] = {}
     for fname in sorted(set(index["weight_map"].values())):
         tensors.update(load_file(str(directory / fname)))
@@ -295,10 +339,21 @@ def _load_base(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, index
 
 
+def _check_version(directory: Path, signed, named: int) -> None:
+    """The version inside a signed entry must be the one its name and place in the chain give it:
+    a renamed or copied entry would otherwise be served under a version it is not."""
+    if not isinstance(signed, int) or isinstance(signed, bool) or signed != named:
+        raise SnapshotError(
+            f"{directory}: its signed files say version {signed!r}, its name says {named}: a renamed or copied "
+            "snapshot, not served; remove it (the trainer writes every version under its own name)"
+        )
+
+
 def _apply_chain_entry(directory: Path, tensors: dict[str, torch.Tensor], version: int) -> str:
     """Apply one chain entry to ``tensors`` (which hold ``version``); returns the new digest."""
     verify_manifest(directory, _key())
     info = json.loads((directory / "info.json").read_text())
+    _check_version(directory, info["version"], int(directory.name[1:]))
     if info["previous"] != version:
         raise SnapshotError(f"{directory.name} applies to version {info['previous']}, not to {version}")
     for rank, pieces in enumerate(info["ranks"]):
@@ -318,31 +373,186 @@ def _apply_chain_entry(directory: Path, tensors: dict[str, torch.Tensor], versio
     return digest
 
 
-def _write_dense(base_dir: Path, index: dict, tensors, out: Path, version: int, digest: str) -> None:
+# ---- where materialize writes ------------------------------------------------------------------
+STAGING = ".materialize-"  # ``.<OUT name>.materialize-<run>.partial|.old``: a run's own files beside OUT
+
+
+def _check_out(root: Path, given: str) -> Path:
+    """OUT as an absolute path (its parent's symlinks resolved), or ``OutputRefused`` before
+    anything is touched: OUT must name a directory entry of its own, apart from the snapshots, and
+    may only replace a checkpoint ``materialize`` wrote."""
+    out = Path(given)
+    if not given or out.name in ("", ".."):
+        raise OutputRefused(
+            f"OUT {given!r} names no directory of its own (the current directory, a parent or the root), which "
+            "materialize would replace whole: give a new path such as ./engine-weights"
+        )
+    target = Path(os.path.abspath(out))
+    target = target.parent.resolve() / target.name
+    src = root.resolve()
+    if target == src or src in target.parents or _same_as_any(src, target):
+        raise OutputRefused(
+            f"OUT {target} is the snapshot directory {src} or inside it: materialize reads DIR and replaces OUT "
+            "whole; write OUT outside DIR"
+        )
+    if target in src.parents or _same_as_any(target, src):
+        raise OutputRefused(
+            f"OUT {target} holds the snapshot directory {src}: replacing OUT would delete the snapshots; give a "
+            "new directory outside DIR"
+        )
+    if target.is_symlink():
+        raise OutputRefused(
+            f"OUT {target} is a symlink (to {os.readlink(target)}): materialize replaces OUT whole; give a real "
+            "path of its own"
+        )
+    if target.exists():
+        if not target.is_dir():
+            raise OutputRefused(
+                f"OUT {target} is a file that materialize did not write: remove it or choose another OUT"
+            )
+        foreign = _not_ours(target)
+        if foreign:
+            raise OutputRefused(
+                f"OUT {target} holds files materialize did not write ({', '.join(foreign[:3])}"
+                f"{' ...' if len(foreign) > 3 else ''}), which replacing it would delete: give an empty or new "
+                "directory"
+            )
+    return target
+
+
+def _same_as_any(a: Path, b: Path) -> bool:
+    """Whether ``a`` is ``b`` or one of its ancestors on disk (a bind mount or a second name of the
+    same directory, which resolving symlinks does not see)."""
+    try:
+        ident = os.stat(a)
+    except OSError:
+        return False
+    for p in (b, *b.parents):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (ident.st_dev, ident.st_ino):
+            return True
+    return False
+
+
+def _not_ours(directory: Path) -> list[str]:
+    """Files in ``directory`` that a checkpoint written by ``materialize`` does not list (all of
+    them when it is not one): its manifest names every file it wrote."""
+    have = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if not p.is_dir())
+    if not have:
+        return []  # an empty directory
+    try:
+        listed = set(json.loads((directory / MANIFEST).read_text())["sha256"])
+        meta = json.loads((directory / INDEX).read_text())["metadata"]
+        if VERSION_KEY not in meta or DIGEST_KEY not in meta:
+            return have
+    except (OSError, ValueError, KeyError, TypeError):
+        return have
+    return [f for f in have if f not in listed and f != MANIFEST]
+
+
+class _Turn:
+    """An exclusive ``flock`` on OUT's parent directory for a whole run (created if missing):
+    concurrent runs into one OUT (engines restarted together) take turns instead of sharing
+    staging files. The kernel drops it when its holder dies; what a dead run left beside OUT
+    (``.<name>.materialize-*``) is removed once the lock is held."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def __enter__(self):
+        import fcntl
+
+        parent = self.out.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise _os_refusal(exc, self.out) from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            for stale in parent.iterdir():
+                if stale.name.startswith(f".{self.out.name}{STAGING}"):
+                    shutil.rmtree(stale, ignore_errors=True)
+        except OSError as exc:
+            os.close(self.fd)
+            raise _os_refusal(exc, self.out) from None
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # releases the flock
+        return False
+
+
+def _staged_write(base_dir: Path, index: dict, tensors, out: Path, version: int, digest: str) -> None:
+    """The checkpoint written under a staging name of this run's, then moved to ``out`` (the old
+    checkpoint, one ``materialize`` wrote, moved aside and removed). OS errors are refusals."""
+    run = f"{os.getpid()}-{os.urandom(4).hex()}"
+    tmp, old = (out.with_name(f".{out.name}{STAGING}{run}.{kind}") for kind in ("partial", "old"))
+    from safetensors import SafetensorError
+
+    try:
+        tmp.mkdir()
+        _write_dense(base_dir, index, tensors, tmp, version, digest)
+        faults.point("materialize.staged")
+        if out.exists():
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                os.replace(old, out)  # put the previous checkpoint back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _os_refusal(exc, out) from None
+    except SafetensorError as exc:  # safetensors' own I/O errors (a full disk)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputRefused(f"cannot write the checkpoint under {out.parent}: {exc}; free space there") from None
+    verify_manifest(out, _key())  # what an engine will read is what was written
+
+
+_OS_FIXES = {
+    errno.EACCES: "make it writable by this user, or choose an OUT elsewhere",
+    errno.EPERM: "make it writable by this user, or choose an OUT elsewhere",
+    errno.EROFS: "its file system is read-only: choose an OUT on a writable volume",
+    errno.ENOSPC: "free space there, or choose an OUT on another volume",
+    errno.EDQUOT: "free space there, or choose an OUT on another volume",
+    errno.ENOTDIR: "a file is in the way of a directory on that path: remove it or choose another OUT",
+    errno.EEXIST: "a file is in the way on that path: remove it or choose another OUT",
+    errno.ENOTEMPTY: "a directory is in the way on that path: remove it or choose another OUT",
+    errno.EISDIR: "a directory is in the way on that path: remove it or choose another OUT",
+    errno.EBUSY: "OUT is a mount point or in use: give a directory inside it",
+    errno.EXDEV: "OUT is a mount point: give a directory inside it",
+}
+
+
+def _os_refusal(exc: OSError, out: Path) -> OutputRefused:
+    where = Path(exc.filename) if exc.filename else out
+    if where.name.startswith(f".{out.name}{STAGING}"):
+        where = where.parent  # this run's staging name: the directory it could not write in is the problem
+    fix = _OS_FIXES.get(exc.errno or 0, "fix that path, or choose another OUT")
+    return OutputRefused(f"cannot write {where} (OUT {out}): {exc.strerror or exc}; {fix}")
+
+
+def _write_dense(base_dir: Path, index: dict, tensors, directory: Path, version: int, digest: str) -> None:
     from safetensors.torch import save_file
 
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     by_file: dict[str, dict[str, torch.Tensor]] = {}
     for name, fname in index["weight_map"].items():
         by_file.setdefault(fname, {})[name] = tensors[name]
     for fname, named in by_file.items():
-        save_file(named, str(tmp / fname), metadata={"format": "pt"})
+        save_file(named, str(directory / fname), metadata={"format": "pt"})
     for p in base_dir.iterdir():  # config, tokenizer
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "MANIFEST.json"):
-            shutil.copy2(p, tmp / p.name)
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, MANIFEST):
+            shutil.copy2(p, directory / p.name)
     meta = {VERSION_KEY: version, DIGEST_KEY: digest}
-    write_atomic(tmp / INDEX, json.dumps({"metadata": meta, "weight_map": index["weight_map"]}, indent=1))
-    write_manifest(tmp, _key())
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    write_atomic(directory / INDEX, json.dumps({"metadata": meta, "weight_map": index["weight_map"]}, indent=1))
+    write_manifest(directory, _key())
 
 
 def _versions(directory: Path, prefix: str) -> list[int]:

@@ -2,14 +2,30 @@
 deltas, a dense base plus a chain of signed grid-step deltas from which a restarted engine
 rebuilds the newest version that verifies, bit for bit."""
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dist_sr.engines.checkpoints import verify_manifest, write_manifest
+from dist_sr.launch.cli import main
 from dist_sr.sources import ReplicatedSource, layout_free_digest
-from dist_sr.weightsync.snapshot import CHAIN, SnapshotError, Snapshots, _versions, materialize, write_snapshot
-from tests.vllm_engines import save_tiny_model
+from dist_sr.weightsync.snapshot import (
+    CHAIN,
+    OutputRefused,
+    SnapshotError,
+    Snapshots,
+    _versions,
+    materialize,
+    write_snapshot,
+)
+from tests.vllm_engines import REPO, save_tiny_model
 
 
 def test_a_snapshot_reloads_bit_for_bit_and_current_moves_atomically(tmp_path):
@@ -184,3 +200,230 @@ def test_every_rank_writes_the_deltas_of_its_own_pieces_and_the_engine_rebuilds_
     assert (got.version, got.deltas, got.refused) == (3, 3, ())
     expected = torch.load(root / "expected.pt")
     assert _bits_equal(_loaded(got.path), expected)
+
+
+# ---- materialize's OUT, the signed versions, the kernels -------------------------------------------
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """Versions 0..3 of the tiny model as a base and three deltas, written once: (root, each
+    version's bits). Tests that change it copy it first (``_copy``)."""
+    tmp = tmp_path_factory.mktemp("chain")
+    model_dir = save_tiny_model(tmp / "m")
+    tiny = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
+    root = tmp / "snapshots"
+    return root, _write(tiny, root, range(4))
+
+
+def _copy(chain, where):
+    shutil.copytree(chain[0], where, symlinks=True)
+    return where
+
+
+def _tree(path) -> dict:
+    """Every entry under ``path`` with its bytes (None for a directory)."""
+    return {str(p.relative_to(path)): None if p.is_dir() else p.read_bytes() for p in sorted(path.rglob("*"))}
+
+
+def _cli(*argv, env=None, cwd=REPO):
+    """``dist-sr ARGV`` in a process of its own: (exit status, stdout, stderr)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "dist_sr.launch.cli", *argv],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return r.returncode, r.stdout, r.stderr
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["DIR", "DIR/chain", "DIR/v0", "DIR/new", "DIR/chain/../new", "above DIR", "link"])
+def test_an_out_that_is_the_snapshots_inside_them_or_holding_them_is_refused_before_anything_is_touched(
+    chain, tmp_path, where, capsys
+):
+    work = tmp_path / "run"
+    root = _copy(chain, work / "snapshots")
+    (work / "metrics.jsonl").write_text('{"step": 1}\n')  # a run directory's history
+    (tmp_path / "link").symlink_to(root)
+    out = {
+        "DIR": root,
+        "DIR/chain": root / CHAIN,
+        "DIR/v0": root / "v0",
+        "DIR/new": root / "new",
+        "DIR/chain/../new": f"{root}/{CHAIN}/../new",
+        "above DIR": work,
+        "link": tmp_path / "link",
+    }[where]
+    before = _tree(tmp_path)
+    with pytest.raises(OutputRefused, match=r"OUT .* (is the snapshot directory|holds the snapshot directory)"):
+        materialize(root, out)
+    assert main(["snapshot", "materialize", str(root), str(out)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("dist-sr: materialize refused: OUT") and str(root) in line
+    assert _tree(tmp_path) == before  # nothing written, moved or deleted
+
+
+def test_an_out_holding_what_materialize_did_not_write_is_refused_and_left_as_it_was(chain, tmp_path):
+    root, states = chain
+    user_file = tmp_path / "weights"
+    user_file.write_text("my notes")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    for out, match in ((user_file, "is a file that materialize did not write"), (run_dir, r"metrics\.jsonl")):
+        before = _tree(tmp_path)
+        for _ in range(2):  # the same refusal again: nothing was hidden aside the first time
+            with pytest.raises(OutputRefused, match=match):
+                materialize(root, out)
+            assert _tree(tmp_path) == before
+    # a checkpoint materialize wrote is replaced; with a file added to it, it is not
+    engine = tmp_path / "engine"
+    engine.mkdir()  # an empty directory is a place to write
+    assert materialize(root, engine).version == 3 and materialize(root, engine).version == 3
+    (engine / "notes.txt").write_text("mine")
+    with pytest.raises(OutputRefused, match=r"notes\.txt"):
+        materialize(root, engine)
+    assert (engine / "notes.txt").read_text() == "mine" and _bits_equal(_loaded(engine), states[3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine", "run", "weights"]  # nothing left beside
+
+
+@pytest.mark.parametrize("out", [".", "", "a-file/engine"])
+def test_an_unusable_out_is_one_line_naming_it_and_the_fix(chain, tmp_path, monkeypatch, capsys, out):
+    root, _ = chain
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("x")
+    assert main(["snapshot", "materialize", str(root), out]) == 2
+    line = _one_line(capsys.readouterr().err)
+    if out in (".", ""):
+        assert f"OUT {out!r} names no directory of its own" in line and "give a new path" in line
+    else:
+        assert f"cannot write {tmp_path / 'a-file'}" in line and "a file is in the way" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_read_only_parent_is_one_line_and_the_checkpoint_there_is_kept(chain, tmp_path):
+    root, states = chain
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    materialize(root, parent / "engine")
+    before = _tree(parent)
+    argv = [sys.executable, "-m", "dist_sr.launch.cli", "snapshot", "materialize", str(root), str(parent / "engine")]
+    if os.geteuid() == 0:  # root writes through permissions: a read-only bind mount in a mount namespace
+        script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+        cmd = ["unshare", "--mount", "sh", "-c", script, "sh", str(parent), *argv]
+    else:
+        parent.chmod(0o555)
+        cmd = argv
+    try:
+        r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    finally:
+        parent.chmod(0o755)
+    assert r.returncode == 2, r.stderr
+    line = _one_line(r.stderr)
+    assert f"cannot write {parent} (OUT {parent / 'engine'})" in line
+    assert "read-only" in line or "writable" in line
+    assert _tree(parent) == before and _bits_equal(_loaded(parent / "engine"), states[3])
+
+
+def _waiting_on(directory) -> int:
+    """Processes blocked in ``flock`` on ``directory`` (``/proc/locks``: ``N: -> FLOCK ... dev:inode``)."""
+    ino = os.stat(directory).st_ino
+    lines = open("/proc/locks").read().splitlines()
+    return sum(1 for line in lines if "-> FLOCK" in line and line.split()[6].split(":")[-1] == str(ino))
+
+
+def test_runs_into_one_out_take_turns_and_each_ends_in_a_verified_checkpoint(chain, tmp_path):
+    import fcntl
+
+    root, states = chain
+    out = tmp_path / "engines" / "model"
+    out.parent.mkdir()
+    held = os.open(out.parent, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a run in progress
+    argv = [sys.executable, "-m", "dist_sr.launch.cli", "snapshot", "materialize", str(root), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in "abc"]
+    try:
+        deadline = time.monotonic() + 240
+        while _waiting_on(out.parent) < 3:  # each of the three waits its turn, having written nothing
+            assert not any(p.poll() is not None for p in procs), "a run went on while another held OUT"
+            assert os.listdir(out.parent) == [], "a run wrote beside OUT while another held it"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.close(held)
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], results
+    verify_manifest(out)
+    assert _bits_equal(_loaded(out), states[3]) and os.listdir(out.parent) == ["model"]
+
+
+def test_a_run_killed_before_its_move_leaves_out_as_it_was_and_the_next_run_cleans_up(chain, tmp_path):
+    root, states = chain
+    older = _copy(chain, tmp_path / "older")
+    shutil.rmtree(older / CHAIN / "v3")
+    out = tmp_path / "engines" / "model"
+    assert materialize(older, out).version == 2
+    code, _, _ = _cli("snapshot", "materialize", str(root), str(out), env={"DIST_SR_FAULT": "materialize.staged:1"})
+    assert code == -signal.SIGKILL
+    verify_manifest(out)
+    assert _bits_equal(_loaded(out), states[2])  # the killed run changed nothing there
+    assert [p.name.endswith(".partial") for p in out.parent.iterdir() if p.name != "model"] == [True]
+    assert materialize(root, out).version == 3
+    assert os.listdir(out.parent) == ["model"] and _bits_equal(_loaded(out), states[3])
+
+
+def test_a_renamed_or_copied_entry_is_refused_naming_its_signed_version_and_its_name(chain, tmp_path, monkeypatch):
+    monkeypatch.setenv("DIST_SR_SYNC_SECRET", "s" * 32)
+    _, states = chain
+    root = _copy(chain, tmp_path / "snapshots")
+    for entry in [root / "v0", *(root / CHAIN).iterdir()]:  # signed by this job: only names change below
+        write_manifest(entry)
+    shutil.copytree(root / "v0", root / "v9")  # base v0 copied in as a newer "v9"
+    got = materialize(root, tmp_path / "a")
+    assert (got.version, got.base) == (3, 0) and len(got.refused) == 1
+    assert "base v9" in got.refused[0] and "say version 0, its name says 9" in got.refused[0]
+    assert _bits_equal(_loaded(got.path), states[3])
+    shutil.rmtree(root / "v9")
+    (root / CHAIN / "v3").rename(root / CHAIN / "v4")  # version 3 served as 4
+    got = materialize(root, tmp_path / "b")
+    assert got.version == 2 and "delta v4" in got.refused[0] and "say version 3, its name says 4" in got.refused[0]
+    assert _bits_equal(_loaded(got.path), states[2])
+
+
+_MATERIALIZE = (
+    "import sys\n"
+    "from dist_sr.numerics.backends import cpu\n"
+    "from dist_sr.weightsync.snapshot import materialize\n"
+    "m = materialize(sys.argv[1], sys.argv[2])\n"
+    "print(m.version, m.digest, cpu.loaded() is not None, cpu.loaded_delta() is not None)\n"
+)
+
+
+def test_materialize_takes_the_kernels_and_writes_the_bytes_the_torch_paths_write(chain, tmp_path):
+    root, states = chain
+    runs = {}
+    for name, env in (("kernel", {}), ("torch", {"DIST_SR_DISABLE_CPU_KERNEL": "1"})):
+        r = subprocess.run(
+            [sys.executable, "-c", _MATERIALIZE, str(root), str(tmp_path / name)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = r.stdout.split()
+    digest = runs["kernel"][1]
+    assert runs == {"kernel": ["3", digest, "True", "True"], "torch": ["3", digest, "False", "False"]}
+    assert _tree(tmp_path / "kernel") == _tree(tmp_path / "torch")  # bit for bit, file by file
+    assert _bits_equal(_loaded(tmp_path / "kernel"), states[3])

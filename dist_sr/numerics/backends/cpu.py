@@ -120,21 +120,26 @@ def _build(stem: str, source: Path) -> ModuleType:
         ) from exc
 
 
+def warm_up() -> list[str]:
+    """Load both kernels now (building them if needed, once per environment), so that digests and
+    the delta codec take them (``loaded()``, ``loaded_delta()``); returns why each that cannot be
+    had is missing (the torch paths, the same bits, stay in use for it)."""
+    missing = []
+    for build in (load, load_delta):
+        try:
+            build()
+        except KernelUnavailable as exc:
+            missing.append(f"{build.__name__}: {exc}")
+    return missing
+
+
 def warm_up_in_background() -> None:
-    """Load (building if needed, once per environment) on a daemon thread, so a process that only
-    needs the kernel for speed, such as a vLLM worker computing digests, never waits for a
-    compile; ``loaded()`` returns it once ready. A failure is logged by ``get()``'s rules: the
-    torch paths stay in use."""
+    """``warm_up`` on a daemon thread, so a process that only needs the kernels for speed, such as
+    a vLLM worker computing digests, never waits for a compile; ``loaded()`` returns it once
+    ready."""
     import threading
 
-    def run():
-        for build in (load, load_delta):
-            try:
-                build()
-            except KernelUnavailable:
-                pass
-
-    threading.Thread(target=run, name="dist-sr-kernel-build", daemon=True).start()
+    threading.Thread(target=warm_up, name="dist-sr-kernel-build", daemon=True).start()
 
 
 def loaded() -> ModuleType | None:
