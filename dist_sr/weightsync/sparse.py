@@ -10,9 +10,11 @@ sent as a change (vLLM refuses it).
 Such a sync is a win only while few elements change: at round-to-nearest's or ``bf16-dither``'s
 ~0.8% per step it is ~1/40 of dense; at bf16-sr's ~26% it is ~0.8x dense (the grid-step code of
 ``numerics.delta``, which our own backend sends, is 1/12.7 there). ``SparseExport`` gives a
-peer's trainer side these pairs for the weights dist-sr rounds, against the version it last
-exported, exactly (bit comparison, so -0/+0 and NaN payloads count as changes), and tells when a
-tensor is cheaper dense (``SparsePatch.worth_it``).
+peer's trainer side these pairs for the weights dist-sr rounds, against the version the peer
+last received (``delivered()``), exactly (bit comparison, so -0/+0 and NaN payloads count as
+changes), and tells when a tensor is cheaper dense (``SparsePatch.worth_it``). The peers' sparse
+paths check nothing, so each export also carries the digest of the version the peer holds after
+it (``SparseSync.entries``; ``differing`` names the tensors a peer holds otherwise).
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from ..config import Refusal
+from ..numerics.digest import combine, piece_sums, tensor_sums
+from ..sources import add_rank_sums
 
 INDEX_LIMIT = 2**31  # the peers' indices are int32
 
 
-class SparseUnsupported(ValueError):
+class SparseUnsupported(Refusal, ValueError):
     """A change the peers' sparse paths cannot carry (a NaN value, a tensor past int32 indices)."""
+
+    what = "sparse sync refused"
 
 
 @dataclass(frozen=True)
@@ -74,37 +83,108 @@ def sparse_patch(name: str, old: torch.Tensor, new: torch.Tensor, full_shape, st
     return SparsePatch(name, (local + start).to(torch.int32), values.clone(), tuple(full_shape))
 
 
+@dataclass(frozen=True)
+class SparseSync:
+    """One export for a peer's sync: the pairs (None: this sync must be dense) and what the peer
+    must hold once it applied them, as layout-free digest entries (``numerics.digest``:
+    ``{name: (dtype, shape, sum)}``, summed over the trainer ranks) and their combined ``digest``.
+    A peer checks itself with ``differing(sync.entries, its_tensors)``."""
+
+    patches: list[SparsePatch] | None
+    entries: dict[str, tuple[str, tuple[int, ...], int]]
+    digest: str
+
+
+def differing(entries: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of ``entries`` that ``tensors`` (full tensors by name, as a peer holds them) do not
+    hold bit for bit, sorted: empty when the peer holds what the trainer exported."""
+    held = tensor_sums({n: t for n, t in tensors.items() if n in entries})
+    want = {n: (d, tuple(shape), int(v)) for n, (d, shape, v) in entries.items()}
+    return sorted(n for n in want if held.get(n) != want[n])
+
+
 class SparseExport:
-    """The trainer side of a peer's delta sync: ``patches()`` returns, for every tensor this rank
-    holds a piece of, the elements that changed since the previous call (None on the first call
-    and after ``reset()``: that sync must be dense). Keeps a host copy of this rank's 16-bit pieces."""
+    """The trainer side of a peer's delta sync. ``export()`` returns, for every tensor this rank
+    holds a piece of, the elements that changed since the version the peer last received, and the
+    digest of the version it holds after this sync; ``delivered()`` says the peer received the last
+    export. The held copy (a host copy of this rank's 16-bit pieces) changes only then: an export
+    that was refused, lost or never sent leaves it at the peer's version, so the next pairs are
+    against what the peer holds. The first export, and the first after ``reset()`` or after a
+    refusal (``SparseUnsupported`` on any rank: the message asks for a dense sync), has
+    ``patches`` None. Every trainer rank of ``group`` calls ``export()`` (a collective: the digest
+    adds up the ranks' pieces) and ``delivered()``."""
 
-    def __init__(self, source):
-        self.source = source
-        self.held: dict[tuple[str, int], torch.Tensor] = {}
+    def __init__(self, source, group=None):
+        self.source, self.group = source, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.held: dict[tuple[str, int], torch.Tensor] = {}  # the version the peer received, per piece
         self.exported = False  # whether ``held`` is a version the peer received
+        self._pending: tuple[list, bool] | None = None  # the last export, until delivered
 
-    def patches(self) -> list[SparsePatch] | None:
-        metas = {m[0]: tuple(m[2]) for m in self.source.metadata()}
-        first, self.exported = not self.exported, True
-        out: list[SparsePatch] = []
-        for p in self.source.local_pieces(list(metas)):
-            if p.end <= p.start:
-                continue
-            bits = p.bits.detach().reshape(-1).cpu()
-            key = (p.name, p.start)
-            if not first:
-                out.append(sparse_patch(p.name, self.held[key], bits, metas[p.name], p.start))
-            held = self.held.get(key)
-            if held is None:
-                self.held[key] = bits.clone()
-            else:
-                held.copy_(bits)
-        return None if first else out
+    def export(self) -> SparseSync:
+        metas = self.source.metadata()
+        shapes = {m[0]: tuple(m[2]) for m in metas}
+        pieces = [p for p in self.source.local_pieces(list(shapes)) if p.end > p.start]
+        dense = not _agree(self.exported and all(self._holds(p) for p in pieces), self.group, self.world)
+        pending, problem = [], ""
+        for p in pieces:
+            bits, key = p.bits.detach().reshape(-1).cpu(), (p.name, p.start)
+            try:
+                pending.append(
+                    (
+                        key,
+                        bits.clone() if dense else sparse_patch(p.name, self.held[key], bits, shapes[p.name], p.start),
+                    )
+                )
+            except SparseUnsupported as exc:
+                problem = problem or str(exc)
+        problems = [problem] if self.world == 1 else _gathered(problem, self.group, self.world)
+        if any(problems):
+            self.reset()  # the peer takes this version dense: so does the next export
+            raise SparseUnsupported(next(pr for pr in problems if pr))
+        self._pending = pending, dense
+        sums = dict(zip([p.name for p in pieces], piece_sums([(p.bits, p.start) for p in pieces])))
+        entries = add_rank_sums(sums, metas, self.world, self.group)
+        return SparseSync(None if dense else [patch for _, patch in pending], entries, combine(entries))
+
+    def _holds(self, p) -> bool:
+        held = self.held.get((p.name, p.start))
+        return held is not None and held.numel() == p.end - p.start and held.dtype == p.bits.dtype
+
+    def delivered(self) -> None:
+        """The peer received (and applied) the last ``export()``: it is the held version from now on."""
+        if self._pending is None:
+            raise RuntimeError(
+                "SparseExport.delivered(): nothing exported since the last delivery; call export() first"
+            )
+        pending, dense = self._pending
+        if dense:
+            self.held = dict(pending)
+        else:
+            for (name, start), patch in pending:
+                self.held[(name, start)].view(torch.int16)[patch.indices.long() - start] = patch.values.view(
+                    torch.int16
+                )
+        self.exported, self._pending = True, None
 
     def reset(self) -> None:
-        """After a sync the peer did not complete: the next ``patches()`` is None (a dense sync)."""
-        self.exported = False
+        """After a sync the peer did not complete: the next ``export()`` is dense (None pairs)."""
+        self.held, self.exported, self._pending = {}, False, None
+
+
+def _agree(ok: bool, group, world: int) -> bool:
+    """Whether ``ok`` holds on every rank of ``group``."""
+    if world == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _gathered(obj, group, world: int) -> list:
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def to_vllm(patches: list[SparsePatch]) -> list:

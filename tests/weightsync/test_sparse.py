@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
+from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.numerics.rounding import stochastic_round
 from dist_sr.sources import ReplicatedSource
-from dist_sr.weightsync.sparse import SparseExport, SparseUnsupported, sparse_patch, to_vllm
+from dist_sr.weightsync.sparse import SparseExport, SparseUnsupported, differing, sparse_patch, to_vllm
 from tests.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
 
 # 16-bit codes at the awkward places (+-0, subnormals, the largest finite, +-Inf, NaN payloads,
@@ -40,13 +41,17 @@ def test_pairs_reproduce_sr_steps_and_special_values_bit_for_bit_from_two_shard_
         model[0].weight.view(-1)[:16].view(torch.int16).copy_(_codes(OLD_CODES))
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
     exports = [SparseExport(ReplicatedSource(model, rank, 2)) for rank in (0, 1)]  # each rank's half
-    assert all(e.patches() is None for e in exports)  # the first sync is dense
+    assert all(e.export().patches is None for e in exports)  # the first sync is dense
+    for e in exports:
+        e.delivered()
     with torch.no_grad():
         for n, p in model.named_parameters():
             shadow = p.float() + 1e-4 * torch.randn(p.shape, generator=g)
             p.copy_(stochastic_round(shadow, seed=3, step=1, param=n))
         model[0].weight.view(-1)[:16].view(torch.int16).copy_(_codes(NEW_CODES))
-    patches = [p for e in exports for p in e.patches()]
+    patches = [p for e in exports for p in e.export().patches]
+    for e in exports:
+        e.delivered()
     assert {p.name for p in patches} == set(old)
     for p in patches:
         assert p.indices.dtype == torch.int32 and bool((p.indices[1:] > p.indices[:-1]).all())
@@ -56,9 +61,122 @@ def test_pairs_reproduce_sr_steps_and_special_values_bit_for_bit_from_two_shard_
         assert torch.equal(_apply_like_the_peers(old[n], mine).view(torch.int16), t.detach().view(torch.int16)), n
     changed = sum(p.indices.numel() for p in patches) / sum(t.numel() for t in old.values())
     assert 0.05 < changed < 0.6  # an Adam-sized step under SR moves a sizeable share
-    assert all(p.indices.numel() == 0 for e in exports for p in e.patches())  # nothing moved since
+    assert all(p.indices.numel() == 0 for e in exports for p in e.export().patches)  # nothing moved since
     exports[0].reset()  # the peer missed a sync: the next one is dense
-    assert exports[0].patches() is None and exports[1].patches() is not None
+    assert exports[0].export().patches is None and exports[1].export().patches is not None
+
+
+def _three_tensors():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 9)).to(torch.bfloat16)
+
+
+def _sr_step(model, step, g):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(stochastic_round(p.float() + 3e-4 * torch.randn(p.shape, generator=g), seed=5, step=step, param=n))
+
+
+def _peer_sync(peer: dict, model, export: SparseExport) -> str:
+    """One sync of a peer that takes pairs and is told to go dense on a refusal, as a caller that
+    never calls ``reset()`` would drive it; returns how it went."""
+    try:
+        sync = export.export()
+    except SparseUnsupported:  # "sync this version dense": the caller does, outside the exporter
+        peer.update({n: p.detach().clone() for n, p in model.named_parameters()})
+        return "dense after a refusal"
+    if sync.patches is None:
+        peer.update({n: p.detach().clone() for n, p in model.named_parameters()})
+    else:
+        for n in peer:
+            peer[n] = _apply_like_the_peers(peer[n], [p for p in sync.patches if p.name == n])
+    export.delivered()
+    assert differing(sync.entries, peer) == [] and sync.digest == combine(tensor_sums(peer))
+    return "dense" if sync.patches is None else "pairs"
+
+
+def test_a_refused_export_changes_no_held_copy_and_the_peer_stays_right_without_a_reset():
+    """A NaN in the last tensor refuses the export after the others were compared: the held
+    copies must still be the peer's version, whatever the caller does next."""
+    g = torch.Generator().manual_seed(2)
+    model = _three_tensors()
+    export, peer = SparseExport(ReplicatedSource(model)), {}
+    ways = []
+    for step in range(6):
+        _sr_step(model, step, g)
+        last = list(model.parameters())[-1]
+        saved = last.detach().clone()
+        if step == 2:
+            with torch.no_grad():
+                last.view(-1)[3] = float("nan")
+        ways.append(_peer_sync(peer, model, export))
+        for n, p in model.named_parameters():
+            assert torch.equal(peer[n].view(torch.int16), p.detach().view(torch.int16)), (step, n)
+        if step == 2:
+            with torch.no_grad():
+                last.copy_(saved)  # the run recovers (a rollback, a skipped step)
+    assert ways == ["dense", "pairs", "dense after a refusal", "dense", "pairs", "pairs"]
+
+
+def test_pairs_not_delivered_leave_the_next_pairs_against_what_the_peer_holds():
+    g = torch.Generator().manual_seed(3)
+    model = _three_tensors()
+    export, peer = SparseExport(ReplicatedSource(model)), {}
+    _peer_sync(peer, model, export)
+    _sr_step(model, 1, g)
+    lost = export.export()  # sent, never arrived: not delivered
+    assert lost.patches and sum(p.indices.numel() for p in lost.patches) > 0
+    _sr_step(model, 2, g)
+    assert _peer_sync(peer, model, export) == "pairs"  # against version 0, which the peer holds
+    for n, p in model.named_parameters():
+        assert torch.equal(peer[n].view(torch.int16), p.detach().view(torch.int16)), n
+    with pytest.raises(RuntimeError, match="nothing exported since the last delivery"):
+        export.delivered()
+
+
+def test_the_digest_beside_the_pairs_names_the_tensor_a_peer_holds_otherwise():
+    g = torch.Generator().manual_seed(4)
+    model = _three_tensors()
+    export, peer = SparseExport(ReplicatedSource(model)), {}
+    _peer_sync(peer, model, export)
+    _sr_step(model, 1, g)
+    sync = export.export()
+    dropped = [p for p in sync.patches if p.name != "1.weight"]  # one tensor's pairs lost on the way
+    for n in peer:
+        peer[n] = _apply_like_the_peers(peer[n], [p for p in dropped if p.name == n])
+    assert differing(sync.entries, peer) == ["1.weight"] and sync.digest != combine(tensor_sums(peer))
+    assert sync.digest == combine(tensor_sums(dict(model.named_parameters())))
+
+
+def _two_rank_export(rank, world, out):
+    model = _three_tensors()
+    export = SparseExport(ReplicatedSource(model, rank, world))
+    first = export.export()
+    export.delivered()
+    _sr_step(model, 1, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model[1].bias.view(-1)[-1] = float("nan")  # in rank 1's half only
+    try:
+        export.export()
+        refused = ""
+    except SparseUnsupported as exc:
+        refused = str(exc)
+    again = export.export()  # dense on both ranks after the refusal
+    if rank == 0:
+        torch.save({"first": first.digest, "refused": refused, "again": again.patches is None}, out)
+    else:
+        assert refused and again.patches is None
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_together_and_the_digest_adds_up_the_ranks_pieces(tmp_path):
+    from tests.dist_utils import run_workers
+
+    out = tmp_path / "r.pt"
+    run_workers(_two_rank_export, 2, str(out))
+    got = torch.load(out)
+    assert got["first"] == combine(tensor_sums(dict(_three_tensors().named_parameters())))
+    assert "1.bias" in got["refused"] and "NaN" in got["refused"] and got["again"]
 
 
 def test_a_weight_that_becomes_nan_is_refused_by_name_and_dense_pieces_say_so():
