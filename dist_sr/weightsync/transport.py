@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..numerics.digest import DTYPES
-from .ipc import IpcGroup
+from .ipc import IpcGroup, segment_tag
 from .plan import Bucket
 
 
@@ -125,7 +125,7 @@ def transfer_group(
     prefixed = dist.PrefixStore(f"{prefix}/{generation}/group{src}", store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "ipc":  # colocated: no process group, handles through the store
-        return Channel(IpcGroup(prefixed, rank, world, timeout_s, device), device)
+        return Channel(IpcGroup(prefixed, rank, world, timeout_s, device, tag=segment_tag(prefix)), device)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout  # a collective that never returns is aborted by NCCL's watchdog
