@@ -20,6 +20,12 @@ class EngineError(RuntimeError):
     """An engine failed a control call or a collective (the message starts with its name)."""
 
 
+class MalformedReply(EngineError):
+    """An engine's reply that is not an answer: a broken HTTP status line or headers, a body cut
+    short or not UTF-8, JSON that is not what the route returns (the message starts with its name
+    and says what was wrong). The engine is treated as down."""
+
+
 class NoReadyEngineError(Refusal, RuntimeError):
     """No rollout engine holds the trainer's verified weights (the message names them and why)."""
 
@@ -29,7 +35,9 @@ class NoReadyEngineError(Refusal, RuntimeError):
 class ControlPlane(Protocol):
     """How a weight sync drives one rollout engine (a vLLM server over HTTP, a bare receiver):
     the four-phase weight update plus health, pause/resume and the workers' reports. Each method
-    raises ``EngineError`` (its message starting with ``name``) when the engine fails it.
+    raises ``EngineError`` (its message starting with ``name``) when the engine fails it, and
+    ``MalformedReply`` when what came back is not an answer. (``WeightSync`` treats any other
+    exception from a control plane as that engine failing, naming the exception's type.)
 
     Methods:
         health(); world_size(): workers that join the transfer groups;

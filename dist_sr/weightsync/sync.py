@@ -7,7 +7,10 @@ Per sync, rank 0 drives each live engine through its control plane: pause -> sta
 on the main thread) -> finish(weight_version) -> reset prefix cache -> digest report -> resume.
 Everything has a timeout. An engine that fails, hangs or reports a wrong digest gets no
 traffic: a failed engine is dropped and the groups are rebuilt with the survivors for a retry;
-a restarted engine rejoins at the next sync and serves only after its digest matches.
+a restarted engine rejoins at the next sync and serves only after its digest matches. An engine
+whose reply is not an answer (``control.MalformedReply``: a broken status line, a body cut short
+or not UTF-8, the wrong JSON), or whose control plane raises anything else, is marked down with
+its URL and the reason, and this sync's retries go on without it.
 
 With ``delta=True`` the engines keep what they load, the sending ranks keep what they sent (a
 host copy of their 16-bit pieces), and a sync whose every member verified the previous version
@@ -34,7 +37,7 @@ from ..numerics import delta as delta_codec
 from ..numerics.digest import combine, piece_sums
 from ..sources import WeightSource, add_rank_sums, layout_free_digest
 from . import auth
-from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, NoReadyEngineError
+from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, MalformedReply, NoReadyEngineError
 from .plan import Span, SyncPlan, TensorPlan, make_buckets
 from .transport import BACKENDS, Packer, broadcast, open_store, send_sized, transfer_group
 
@@ -116,6 +119,7 @@ class WeightSync:
             from ..numerics.backends import cpu
 
             cpu.warm_up_in_background()  # the delta codec's kernel, built once per environment
+        self.unanswered: set[str] = set()  # rank 0: engines whose replies were not answers, this sync
         self.base: dict[tuple[str, int], torch.Tensor] = {}  # what this rank last sent, per piece
         self.base_version: int | None = None
 
@@ -135,9 +139,20 @@ class WeightSync:
         return bool(flag.item())
 
     # ---- membership ------------------------------------------------------------------------
+    def _failed(self, control: ControlPlane, exc: Exception) -> str:
+        """Rank 0: one line for an engine's failure (``_failure``); an engine whose reply was not
+        an answer stays down for the rest of this sync (its retries go on without it)."""
+        if _state_after(exc) == "down":
+            self.unanswered.add(control.name)
+        return _failure(control, exc)
+
     def _probe(self) -> None:
-        """Rank 0: which engines answer, and how many workers each has."""
+        """Rank 0: which engines answer, and how many workers each has (those whose replies were
+        not answers in this sync stay down until the next)."""
         for e in self.engines:
+            if e.url in self.unanswered:
+                e.state = "down"
+                continue
             try:
                 e.control.health()
                 if e.state in ("new", "down") or not e.workers:  # a restarted engine may have a new TP size
@@ -146,10 +161,11 @@ class WeightSync:
                     e.state, e.reason = "pending", "restarted: waits for the current weights"
                 elif e.state == "new":
                     e.state = "pending"
-            except EngineError as exc:
+            except Exception as exc:  # noqa: BLE001  (whatever an engine's answer did, it is down: named)
+                reason = self._failed(e.control, exc)
                 if e.state != "down":
-                    log.warning("engine %s is down: %s", e.url, exc)
-                e.state, e.reason = "down", str(exc)
+                    log.warning("engine %s is down: %s", e.url, reason)
+                e.state, e.reason = "down", reason
 
     def _connect(self, members: list[tuple[str, int]]) -> list[str]:
         """All ranks: build the groups of a new generation with ``members``; returns the URLs that
@@ -178,7 +194,9 @@ class WeightSync:
                     **({"backend": backend} if backend != "gloo" else {}),  # gloo unless named (InitInfo)
                 }
                 offset += workers
-                threads.append(self._call_async(lambda c=controls[url], i=info: c.init_transfer(i), failed))
+                threads.append(
+                    self._call_async(controls[url], lambda c=controls[url], i=info: c.init_transfer(i), failed)
+                )
         if self.rank < self.senders:
             store = (
                 self.store
@@ -211,13 +229,12 @@ class WeightSync:
         pieces = self.source.local_pieces([metas[0][0]]) if metas else []
         return "nccl" if any(p.bits.device.type == "cuda" for p in pieces) else "gloo"
 
-    @staticmethod
-    def _call_async(call, failures: list):
+    def _call_async(self, control: ControlPlane, call, failures: list):
         def run():
             try:
                 call()
-            except EngineError as exc:
-                failures.append(str(exc))  # the message starts with the engine's name
+            except Exception as exc:  # noqa: BLE001  (an engine's failure, named, whatever its kind)
+                failures.append(self._failed(control, exc))
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
@@ -260,6 +277,7 @@ class WeightSync:
         t0 = time.perf_counter()
         problems: list[str] = []
         last_base, self.base_version = self.base_version, None  # set again only by a whole sync
+        self.unanswered = set()
         for attempt in (1, 2, 3):  # noqa: B007  (the last one is reported in the result)
             members = None
             if self.rank == 0:
@@ -348,14 +366,14 @@ class WeightSync:
                 try:
                     c.pause()
                     c.start_update()
-                except EngineError as exc:
-                    failures.append(str(exc))
+                except Exception as exc:  # noqa: BLE001
+                    failures.append(self._failed(c, exc))
             if failures:
                 return False, failures, 0, {}
             update_timeout = self.timeout_s * (1 + len(plan.buckets))
             plan_json = plan.to_json()
             for c in controls:
-                threads.append(self._call_async(lambda c=c: c.update(plan_json, update_timeout), failures))
+                threads.append(self._call_async(c, lambda c=c: c.update(plan_json, update_timeout), failures))
         sums: dict[str, int] = {}
         sent = 0
         kept: list = []
@@ -408,8 +426,8 @@ class WeightSync:
                 try:
                     c.finish(version)
                     c.reset_cache()
-                except EngineError as exc:
-                    failures.append(str(exc))
+                except Exception as exc:  # noqa: BLE001
+                    failures.append(self._failed(c, exc))
             ok = not failures
         entries = add_rank_sums(sums, self.source.metadata(), self.world, self.trainer_group) if verify else {}
         return ok, failures, sent, entries
@@ -429,9 +447,9 @@ class WeightSync:
                 continue
             try:
                 reports = e.control.report()
-            except EngineError as exc:
-                e.state, e.reason = "pending", str(exc)
-                problems.append(str(exc))
+            except Exception as exc:  # noqa: BLE001  (a report that is not one: the engine is down)
+                e.state, e.reason = _state_after(exc), self._failed(e.control, exc)
+                problems.append(e.reason)
                 continue
             bad = (
                 []
@@ -458,9 +476,9 @@ class WeightSync:
                 continue
             try:
                 e.control.resume()
-            except EngineError as exc:
-                e.state, e.reason = "pending", str(exc)
-                problems.append(str(exc))
+            except Exception as exc:  # noqa: BLE001
+                e.state, e.reason = _state_after(exc), self._failed(e.control, exc)
+                problems.append(e.reason)
                 continue
             e.state, e.version, e.reason = "ready", version, ""
             e.mark = _mark(reports)
@@ -477,8 +495,8 @@ class WeightSync:
         for url in urls:
             try:
                 reports = self._control(url).report()
-            except EngineError as exc:
-                problems.append(f"{url}: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{url}: {_failure(self._control(url), exc)}")
                 continue
             if self.last is None or _mark(reports) != self.last.marks.get(url):
                 problems.append(
@@ -492,4 +510,17 @@ class WeightSync:
 
 
 def _mark(reports: list[dict]) -> list:
-    return sorted([r.get("rank"), r.get("boot"), r.get("events")] for r in reports)
+    # ordered by repr: a worker not yet in a group reports rank None beside others' integers
+    return sorted(([r.get("rank"), r.get("boot"), r.get("events")] for r in reports), key=repr)
+
+
+def _failure(control: ControlPlane, exc: Exception) -> str:
+    """An engine's failure as one line starting with its name: an ``EngineError`` says it already;
+    anything else a control plane raised is named with its type."""
+    return str(exc) if isinstance(exc, EngineError) else f"{control.name}: {type(exc).__name__}: {exc}"
+
+
+def _state_after(exc: Exception) -> str:
+    """An engine that refused a call (an HTTP error) stays a member, waiting for the next sync
+    (``pending``); one whose reply was not an answer, or that failed otherwise, is ``down``."""
+    return "pending" if isinstance(exc, EngineError) and not isinstance(exc, MalformedReply) else "down"

@@ -5,6 +5,7 @@ steps, and a damaged one refused naming the tensor; the signed client through di
 over real HTTP, where vLLM's unsigned client is refused. (The NCCL transport itself needs GPUs.)"""
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -192,3 +193,33 @@ def test_a_fan_out_client_names_the_engine_that_failed():
     finally:
         a.server.shutdown()
         b.server.shutdown()
+
+
+def test_a_fan_out_client_marks_engines_that_answer_badly_down_and_goes_on_with_the_others():
+    import threading
+
+    from dist_sr.rollout.vllm.native import FanOutClient
+    from tests.bad_engines import BadEngine
+
+    secret = b"s" * 32
+    good = _Engine(secret, 2, threading.Barrier(1))  # no collective: each engine answers alone
+    sizes = {k: BadEngine(k, on="/get_world_size") for k in ("banner", "not-utf8", "cut-short", "wrong-json")}
+    late = BadEngine("json-list", on="/init_weight_transfer_engine")  # answers its size, then garbage
+    engines = [*sizes.values(), good, late]
+    try:
+        fan = FanOutClient([SignedClient(e.url, secret=secret, timeout_s=10) for e in engines])
+        assert fan.workers() == [2, 1] and [c.url for c in fan.clients] == [good.url, late.url]
+        for kind, bad in sizes.items():  # each named with its URL and what it sent
+            assert fan.down[bad.url].startswith(bad.url) and re.search(bad.expect, fan.down[bad.url]), kind
+        info = {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 4}
+        with pytest.raises(EngineError, match=rf"{late.url}/init_weight_transfer_engine: .*not an object"):
+            fan.init_weight_transfer_engine(info)
+        assert late.url in fan.down and fan.workers() == [2]  # the next trainer engine's world: 1 + 2
+        fan.init_weight_transfer_engine(dict(info, world_size=3))
+        assert good.calls[-1] == ("init_weight_transfer_engine", {"init_info": dict(info, world_size=3)})
+        fan.rejoin()  # every engine asked again: those still answering badly stay out
+        assert fan.workers() == [2, 1] and set(fan.down) == {b.url for b in sizes.values()}
+    finally:
+        good.server.shutdown()
+        for e in engines[:-2] + [late]:
+            e.close()

@@ -2,6 +2,7 @@
 rank offsets, both transports from 2 trainer ranks, a receiver killed mid-sync. Runs everywhere."""
 
 import json
+import re
 import signal
 
 import pytest
@@ -186,3 +187,35 @@ def test_a_receiver_that_hangs_mid_sync_costs_one_timeout_not_one_per_bucket(rec
     assert r.ready == [a] and any(b in p and "hangs" in p for p in r.problems), r.problems
     assert [e.state for e in ws.engines] == ["ready", "down"]
     assert took < 40, took  # one timeout for the hang, one for the health probe, the re-sync
+
+
+def test_engines_that_answer_badly_are_marked_down_with_url_and_reason_and_the_sync_goes_on(receivers):
+    """Real receivers behind engines whose replies break at each phase (``tests/bad_engines.py``):
+    a banner at every route, a non-UTF-8 worker count, an init answer cut short, a JSON list for
+    the update (the bytes arrived), a report of the wrong shape. Each is named down with its URL
+    and what it sent; the sync goes on with the healthy engine, this time and the next."""
+    from tests.bad_engines import BadEngine
+
+    (_, good), *upstreams = receivers(4)
+    hosts = [url.removeprefix("http://") for _, url in upstreams]
+    bad = [
+        BadEngine("banner"),
+        BadEngine("not-utf8", on="/get_world_size"),
+        BadEngine("cut-short", on="/init_weight_transfer_engine", upstream=hosts[0]),
+        BadEngine("json-list", on="/update_weights", upstream=hosts[1]),
+        BadEngine("wrong-json", on="/collective_rpc", upstream=hosts[2]),
+    ]
+    model = _model()
+    urls = [good] + [b.url for b in bad]
+    ws = WeightSync(ReplicatedSource(model), controls(urls, 10), bucket_mb=0.002, timeout_s=10, group_port=free_port())
+    try:
+        for version in (1, 2):
+            r = ws.sync(version)
+            assert r.ready == [good] and r.attempts == 3, r.problems  # init, then update, cost one retry each
+            for e, b in zip(ws.engines[1:], bad):
+                assert e.state == "down" and e.reason.startswith(b.url), (e.url, e.reason)
+                assert re.search(b.expect, e.reason), (e.url, e.reason)
+            assert r.digest == combine(tensor_sums(dict(model.named_parameters())))
+    finally:
+        for b in bad:
+            b.close()

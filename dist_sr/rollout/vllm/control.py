@@ -11,9 +11,12 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from http.client import HTTPException
 
 from ...weightsync import auth
-from ...weightsync.control import TIMEOUT_S, EngineError
+from ...weightsync.control import TIMEOUT_S, EngineError, MalformedReply
+
+MAX_REPLY_BYTES = 256 << 20  # a fleet's largest answer (every worker's digests) is far smaller
 
 
 def http(
@@ -25,25 +28,60 @@ def http(
     method: str | None = None,
     secret: bytes | None = None,
 ) -> dict:
-    """One JSON request; signed with ``secret`` when given (control routes)."""
+    """One JSON request; signed with ``secret`` when given (control routes). Returns the answer's
+    JSON object (``{}`` for an empty body). Raises ``EngineError`` naming ``url`` for an HTTP error
+    status, an engine that cannot be reached, closes the connection or times out, and
+    ``MalformedReply`` for anything that is not an answer: a broken status line or headers, a body
+    cut short, over ``MAX_REPLY_BYTES``, not UTF-8, not JSON or JSON other than an object."""
     data = None if body is None else json.dumps(body).encode()
     method = method or ("GET" if body is None else "POST")
     headers = {"content-type": "application/json"}
     if secret is not None:
         headers.update(auth.sign_request(secret, method, path, data or b""))
+    where = f"{url.rstrip('/')}{path}"
     req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            text = resp.read().decode() or "{}"
+            if resp.length is not None and resp.length > MAX_REPLY_BYTES:
+                raise MalformedReply(f"{where}: an answer of {resp.length} bytes (the limit is {MAX_REPLY_BYTES})")
+            raw = resp.read() if resp.length is not None else resp.read(MAX_REPLY_BYTES + 1)
     except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:2000]
-        raise EngineError(f"{url}{path}: HTTP {exc.code}: {detail}") from None
+        try:
+            detail = exc.read().decode(errors="replace")[:2000]
+        except (HTTPException, OSError, ValueError) as inner:
+            detail = f"(its body cut short: {type(inner).__name__})"
+        raise EngineError(f"{where}: HTTP {exc.code}: {detail}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, socket.timeout) as exc:
-        raise EngineError(f"{url}{path}: {getattr(exc, 'reason', exc)}") from None
+        raise EngineError(f"{where}: {getattr(exc, 'reason', exc)}") from None
+    except (HTTPException, ValueError) as exc:  # BadStatusLine, IncompleteRead, LineTooLong, a bad chunk
+        raise MalformedReply(f"{where}: not an HTTP answer: {type(exc).__name__}: {str(exc)[:200]}") from None
+    except OSError as exc:
+        raise EngineError(f"{where}: {exc}") from None
+    if len(raw) > MAX_REPLY_BYTES:
+        raise MalformedReply(f"{where}: an answer over {MAX_REPLY_BYTES} bytes")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return {"text": text}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedReply(
+            f"{where}: the answer is not UTF-8 ({exc.reason} at byte {exc.start} of {len(raw)})"
+        ) from None
+    if not text.strip():
+        return {}
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MalformedReply(f"{where}: the answer is not JSON ({exc.msg}): {text[:200]!r}") from None
+    if not isinstance(answer, dict):
+        raise MalformedReply(f"{where}: the answer is a JSON {type(answer).__name__}, not an object: {text[:200]!r}")
+    return answer
+
+
+def worker_count(url: str, answer: dict) -> int:
+    """``/get_world_size``'s answer as a worker count, or ``MalformedReply`` naming ``url``."""
+    n = answer.get("world_size")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise MalformedReply(f"{url}/get_world_size answered {answer!r:.200}, not a worker count")
+    return n
 
 
 class VLLMControl:
@@ -64,7 +102,7 @@ class VLLMControl:
         http(self.name, "/health", timeout=min(self.timeout_s, 10), method="GET")
 
     def world_size(self) -> int:
-        return int(http(self.name, "/get_world_size", timeout=self.timeout_s, secret=self.secret)["world_size"])
+        return worker_count(self.name, http(self.name, "/get_world_size", timeout=self.timeout_s, secret=self.secret))
 
     def init_transfer(self, info: dict) -> None:
         info = {k: v for k, v in info.items() if k != "auth"}
@@ -89,11 +127,13 @@ class VLLMControl:
 
     def report(self) -> list[dict]:
         """Each worker's ``dist_sr_weight_report``; a worker that answers something else (vLLM
-        passes on whatever the worker returned) is an engine error."""
+        passes on whatever the worker returned) is a ``MalformedReply``."""
         results = self._post("/collective_rpc", {"method": "dist_sr_weight_report"}).get("results")
-        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-            raise EngineError(
-                f"{self.name}/collective_rpc: the workers' weight reports are {results!r}, not "
+        if not isinstance(results, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("digests", {}), dict) for r in results
+        ):
+            raise MalformedReply(
+                f"{self.name}/collective_rpc: the workers' weight reports are {results!r:.300}, not "
                 "reports (is the worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
             )
         return results

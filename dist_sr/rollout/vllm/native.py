@@ -30,7 +30,10 @@ each send the engines' held weights checked against what was sent.
   colocated engines take dist-sr's own ``ipc`` backend instead (``rollout.vllm.backend: ipc``),
   which passes JSON handles only.
 - ``FanOutClient`` drives several engines with one trainer engine (vLLM's HTTP client drives
-  one): each call concurrently to all, the NCCL ``rank_offset`` shifted per engine.
+  one): each call concurrently to all, the NCCL ``rank_offset`` shifted per engine. An engine
+  that fails a call or answers with anything but an answer (``control.http``: a broken status
+  line, a body cut short or not UTF-8, the wrong JSON) is named and marked down (``down``), and
+  the next trainer engine's world (``workers()``) goes on with the others.
 - ``send_verified`` sends, then asks every engine's workers for the digest of the weights they
   hold (``dist_sr_held_weights``, recorded in the model's ``load_weights``, where vLLM's dense
   ``nccl`` receiver, packed or not, ends) and compares each tensor sent with it: an engine that
@@ -46,14 +49,17 @@ Without vLLM installed ``KeyedWeightSource`` refuses to be built, saying so; the
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Iterator
 
 from ...numerics.digest import combine, dtype_name, piece_sum
 from ...weightsync import auth
-from ...weightsync.control import EngineError
+from ...weightsync.control import EngineError, MalformedReply
 from ...weightsync.export import rollout_metadata, rollout_weights
-from .control import http
+from .control import http, worker_count
+
+log = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 300.0  # as vLLM's own HTTP client: init waits for the rendezvous, an update for the send
 
@@ -158,18 +164,15 @@ class SignedClient:
 
     def world_size(self) -> int:
         """The engine's worker count (vLLM's ``/get_world_size``)."""
-        answer = http(self.url, "/get_world_size", timeout=self.timeout_s, secret=self.secret)
-        if not isinstance(answer.get("world_size"), int) or answer["world_size"] < 1:
-            raise EngineError(f"{self.url}/get_world_size answered {answer!r}, not a worker count")
-        return answer["world_size"]
+        return worker_count(self.url, http(self.url, "/get_world_size", timeout=self.timeout_s, secret=self.secret))
 
     def held_weights(self) -> list[dict]:
         """Every worker's ``dist_sr_held_weights``: ``{"method", "digests"}`` each."""
         results = self._post("collective_rpc", {"method": "dist_sr_held_weights"}).get("results")
         if not isinstance(results, list) or not all(isinstance(r, dict) and "digests" in r for r in results):
-            raise EngineError(
-                f"{self.url}/collective_rpc: the workers' held-weights records are {results!r} (is the "
-                "worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
+            raise MalformedReply(
+                f"{self.url}/collective_rpc: the workers' held-weights records are {results!r:.300}, not records "
+                "(is the worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
             )
         return results
 
@@ -180,44 +183,76 @@ class FanOutClient:
     collectives every engine joins, so one at a time would never return), and an NCCL init
     info's ``rank_offset`` is shifted for each engine past the workers of the engines before it.
     ``world_size`` in the trainer's init info counts the trainer's sender ranks (vLLM puts them
-    first) and every engine's workers; a mismatch is refused before any engine is called. Errors
-    of every engine are raised together, each naming its engine."""
+    first) and every engine's workers; a mismatch is refused before any engine is called.
+
+    An engine that fails a call, or answers with something that is not an answer, is marked down
+    (``down``: its URL and the reason) and left out of ``clients`` from then on: errors of every
+    engine are raised together, each naming its engine, and the next trainer engine's world
+    (``1 + sum(workers())``) counts only the others, so the send goes on without it. ``rejoin()``
+    asks every engine again (after a restart). ``workers()`` raises only when no engine answers."""
 
     def __init__(self, clients: list[SignedClient]):
         if not clients:
             raise ValueError("FanOutClient needs at least one engine's SignedClient")
-        self.clients = clients
+        self.engines = list(clients)  # every engine, in rank order
+        self.down: dict[str, str] = {}  # url -> why it is left out
         self._workers: list[int] | None = None
 
+    @property
+    def clients(self) -> list[SignedClient]:
+        """The engines that are not down, in rank order: those the next init and send reach."""
+        return [c for c in self.engines if c.url not in self.down]
+
     def workers(self) -> list[int]:
-        """Each engine's worker count (its NCCL ranks), asked once."""
+        """Each live engine's worker count (its NCCL ranks), in the order of ``clients``, asked
+        once per world: an engine that fails to answer is marked down, named."""
         if self._workers is None:
-            self._workers = [c.world_size() for c in self.clients]
+            counts: dict[str, int] = {}
+            live = self.clients
+            self._run(live, lambda c, _: counts.__setitem__(c.url, c.world_size()), [None] * len(live))
+            if not counts:
+                raise EngineError("no engine answers: " + "; ".join(f"{u}: {r}" for u, r in self.down.items()))
+            self._workers = [counts[c.url] for c in self.clients]
         return self._workers
 
-    def _each(self, call, args: list) -> None:
-        errors: list[str] = []
+    def rejoin(self) -> None:
+        """Take every engine back (after restarts): the next ``workers()`` asks them all again."""
+        self.down, self._workers = {}, None
+
+    def _run(self, clients: list[SignedClient], call, args: list) -> list[str]:
+        """``call(client, arg)`` on every client at once; those that fail are marked down; returns
+        the failures, each starting with its engine's URL."""
+        errors: dict[str, str] = {}
 
         def run(client, arg):
             try:
                 call(client, arg)
             except EngineError as exc:
-                errors.append(str(exc))
-            except Exception as exc:  # noqa: BLE001  (named with its engine, raised below)
-                errors.append(f"{client.url}: {type(exc).__name__}: {exc}")
+                errors[client.url] = str(exc)
+            except Exception as exc:  # noqa: BLE001  (named with its engine, raised by the caller)
+                errors[client.url] = f"{client.url}: {type(exc).__name__}: {exc}"
 
-        threads = [threading.Thread(target=run, args=(c, a), daemon=True) for c, a in zip(self.clients, args)]
+        threads = [threading.Thread(target=run, args=(c, a), daemon=True) for c, a in zip(clients, args)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        for url, why in errors.items():
+            log.warning("engine %s is down: %s", url, why)
+            self.down[url] = why
+        return sorted(errors.values())
+
+    def _each(self, call, args: list) -> None:
+        errors = self._run(self.clients, call, args)
         if errors:
-            raise EngineError("; ".join(sorted(errors)))
+            self._workers = None  # the next trainer engine's world is asked again
+            raise EngineError("; ".join(errors))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        sizes = self.workers()  # also leaves out the engines that do not answer
         infos = [init_info] * len(self.clients)
         if "rank_offset" in init_info:  # NCCL: each engine's workers take the ranks after the last's
-            first, sizes = int(init_info["rank_offset"]), self.workers()
+            first = int(init_info["rank_offset"])
             expected = first + sum(sizes)
             if init_info.get("world_size") != expected:
                 raise EngineError(
