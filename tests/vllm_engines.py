@@ -93,8 +93,6 @@ class EngineProcess:
             "64",
             "--weight-transfer-config",
             '{"backend": "dist_sr"}',
-            "--worker-extension-cls",
-            "dist_sr.rollout.vllm.plugin.WorkerExtension",
             "--middleware",
             "dist_sr.rollout.vllm.auth.SyncAuthMiddleware",
         ]

@@ -265,7 +265,6 @@ def vllm_command(cfg: ExperimentConfig) -> list[str]:
         f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
         f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
         f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
-        f"--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension "
         f"--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware"
     )
     return ["/bin/sh", "-c", wait + serve]

@@ -31,7 +31,6 @@ def main():
         enforce_eager=True,
         max_model_len=64,
         max_num_seqs=4,
-        worker_extension_cls="dist_sr.rollout.vllm.plugin.WorkerExtension",
     )
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
     first = llm.collective_rpc("dist_sr_held_weights")[0]

@@ -105,7 +105,6 @@ def engine_checks(model_dir: str, trainer, ctx) -> dict:
         enforce_eager=True,
         max_model_len=64,
         max_num_seqs=4,
-        worker_extension_cls="dist_sr.rollout.vllm.plugin.WorkerExtension",
     )
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
     config = llm.llm_engine.model_config

@@ -28,10 +28,11 @@ def test_the_record_digests_what_the_engine_stores_and_passes_the_tensors_on():
     assert model.load_weights(iter(sent.items())) == set(sent)
     assert [(n, t) for n, t in seen] == list(sent.items()) and seen[0][1] is sent["model.embed_tokens.weight"]
     stored = {n: t.to(torch.bfloat16) for n, t in sent.items()}
-    assert report(model) == {
-        "method": "recorded at load",
-        "digests": {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in tensor_sums(stored).items()},
-    }
+    answer = report(model)
+    assert answer["method"] == "recorded at load"
+    assert answer["digests"] == {n: [d, list(shape), f"{v:016x}"] for n, (d, shape, v) in tensor_sums(stored).items()}
+    assert answer["start"] == {"loader": None, "load_format": None, "pushes": 1}  # recorded outside a model loader
+    assert answer["readback"] == {} and set(answer["unreadable"]) == set(sent)  # this model has no parameters
     # a later push of one tensor replaces that tensor's entry only
     update = torch.randn(5, 3, generator=g)
     model.load_weights([("model.embed_tokens.weight", update)])

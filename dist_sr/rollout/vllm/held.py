@@ -1,17 +1,21 @@
-"""What a vLLM worker loaded: the layout-free digest of the weights it serves now, under the
-trainer's (Hugging Face) names, however they arrived (the checkpoint loader, dist-sr's backend,
-TRL's ``load_weights`` push, vLLM's NCCL weight transfer). Every one of those ends in the model's
-``load_weights``, so that is where it is recorded: every tensor handed to it, in the dtype the
-engine stores (vLLM's loaders copy into the parameter, which casts round-to-nearest), summed as
-it streams through. ``install_load_recorder`` (run by the ``vllm.general_plugins`` entry point in
-every vLLM process) puts the record on each model vLLM's default loader builds, so the checkpoint
-load and every later push are seen.
+"""What a vLLM worker holds, under the trainer's (Hugging Face) names, however the weights arrived
+(the checkpoint loader, a dummy start the trainer fills, dist-sr's backend, TRL's ``load_weights``
+push, verl's and OpenRLHF's own worker extensions, vLLM's NCCL weight transfer).
 
-Why not read the parameters back: vLLM's CPU backend repacks linear weights for oneDNN and
-empties the parameters, and vLLM fuses q/k/v and gate/up into one parameter; the tensors handed
-to ``load_weights`` are the trainer's own, by name. A loader that transforms weights (online
-quantization) holds something else than it was handed: the record then says what was sent. A
-call that raises records nothing; one that returns is taken to have stored what it was handed.
+Two views, both in the dtype the engine stores:
+- **as loaded** (``LoadRecord``): every tensor handed to the model's ``load_weights``, where every
+  one of those transports ends, digested as it streams through (vLLM's loaders copy into the
+  parameter, which casts round-to-nearest). A call that raises records nothing; one that
+  returns is taken to have stored what it was handed.
+- **read back** (``readback.Readback``): what the parameters hold now at the places the model's
+  own loaders put each tensor, so a tensor-parallel loader that takes the wrong slice, a load
+  that drops a tensor or a loader that transforms it shows up. vLLM's CPU backend repacks linear
+  weights and empties their parameters: those (and anything else that cannot be read back) are
+  verified only as loaded, and the report names them.
+
+``install_load_recorder`` (run by the ``vllm.general_plugins`` entry point in every vLLM process)
+puts the record on every model any of vLLM's model loaders builds, whatever the load format: a
+``dummy`` start then reports "no weights from the trainer yet" until the first push.
 """
 
 from __future__ import annotations
@@ -19,20 +23,29 @@ from __future__ import annotations
 import torch
 
 from ...numerics.digest import dtype_name, piece_sum
+from .readback import Readback
 
 
 class LoadRecord:
-    """Digest entries of the last tensor loaded under each HF name, as the engine stores it."""
+    """Digest entries of the last tensor loaded under each HF name, as the engine stores it, and
+    how the engine was started (``loader``, ``load_format``; ``pushes``: the ``load_weights`` calls
+    after the model loader finished)."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, *, loader: str | None = None, load_format: str | None = None):
         self.dtype = dtype
+        self.loader, self.load_format = loader, load_format
         self.entries: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self.pushes = 0
+        self.building = False  # inside the model loader's own load
+        self.readback = Readback()
 
     def wrap(self, load_weights):
         def recording_load_weights(weights, *args, **kwargs):
             staged: dict = {}
             result = load_weights(self._see(weights, staged), *args, **kwargs)
             self.entries.update(staged)  # only a load that returned counts
+            if not self.building:
+                self.pushes += 1
             return result
 
         recording_load_weights.__dist_sr_record__ = self
@@ -55,29 +68,66 @@ def load_record(model: torch.nn.Module) -> LoadRecord | None:
     return getattr(getattr(model, "load_weights", None), "__dist_sr_record__", None)
 
 
-def record_loads(model: torch.nn.Module, dtype: torch.dtype) -> LoadRecord:
+def record_loads(
+    model: torch.nn.Module, dtype: torch.dtype, *, loader: str | None = None, load_format: str | None = None
+) -> LoadRecord:
     """Record every later ``model.load_weights`` call (idempotent)."""
     record = load_record(model)
     if record is None:
-        record = LoadRecord(dtype)
+        record = LoadRecord(dtype, loader=loader, load_format=load_format)
         model.load_weights = record.wrap(model.load_weights)
     return record
 
 
+def _recording(load_weights):
+    """A model loader's ``load_weights(self, model, model_config)`` that first puts the record on
+    ``model`` (the loader's own loads then count as the start, not as pushes)."""
+
+    def load_weights_recorded(self, model, model_config, *args, **kwargs):
+        load_config = getattr(self, "load_config", None)
+        record = record_loads(
+            model,
+            model_config.dtype,
+            loader=type(self).__name__,
+            load_format=str(getattr(load_config, "load_format", "") or "") or None,
+        )
+        outer, record.building = record.building, True
+        try:
+            return load_weights(self, model, model_config, *args, **kwargs)
+        finally:
+            record.building = outer
+
+    load_weights_recorded.__dist_sr__ = True
+    load_weights_recorded.__wrapped__ = load_weights
+    return load_weights_recorded
+
+
+def _wrap_loader_class(cls) -> None:
+    own = cls.__dict__.get("load_weights")
+    if own is not None and not getattr(own, "__dist_sr__", False) and not getattr(own, "__isabstractmethod__", False):
+        cls.load_weights = _recording(own)
+
+
 def install_load_recorder() -> None:
-    """Make vLLM's default loader record the loads of every model it builds (idempotent)."""
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    """Make every vLLM model loader (the built-in ones, ``register_model_loader`` ones defined
+    later) record the loads of the models it builds (idempotent)."""
+    import vllm.model_executor.model_loader  # noqa: F401  (imports every built-in loader)
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    original = DefaultModelLoader.load_weights
-    if getattr(original, "__dist_sr__", False):
+    if getattr(BaseModelLoader, "__dist_sr_recorder__", False):
         return
+    todo = [BaseModelLoader]
+    while todo:
+        cls = todo.pop()
+        _wrap_loader_class(cls)
+        todo.extend(cls.__subclasses__())
 
-    def load_weights(self, model, model_config):
-        record_loads(model, model_config.dtype)
-        return original(self, model, model_config)
+    def __init_subclass__(cls, **kwargs):
+        super(BaseModelLoader, cls).__init_subclass__(**kwargs)
+        _wrap_loader_class(cls)
 
-    load_weights.__dist_sr__ = True
-    DefaultModelLoader.load_weights = load_weights
+    BaseModelLoader.__init_subclass__ = classmethod(__init_subclass__)
+    BaseModelLoader.__dist_sr_recorder__ = True
 
 
 _not_recorded: list[str] = []  # why this process records no loads (the plugin's capability check)
@@ -89,7 +139,10 @@ def not_recorded(reason: str) -> None:
 
 
 def report(model: torch.nn.Module) -> dict:
-    """``{"method", "digests"}`` of what ``model`` holds, from its load record."""
+    """What ``model`` holds: ``{"method", "digests"}`` (as loaded: ``{name: [dtype, shape, hex]}``),
+    ``"start"`` (``{"loader", "load_format", "pushes"}``), ``"readback"`` (``{name: [dtype, shape,
+    hex partial sum, covered, signature]}``, this worker's part) and ``"unreadable"`` (``{name:
+    why}``): the tensors verified only as loaded."""
     record = load_record(model)
     if record is None:
         if _not_recorded:
@@ -97,9 +150,14 @@ def report(model: torch.nn.Module) -> dict:
         raise RuntimeError(
             "this engine's loads were not recorded: dist-sr's vLLM plugin was not loaded in this "
             "process (pip install dist-sr where vLLM runs, and keep VLLM_PLUGINS unset or naming "
-            "dist_sr), or the model was not loaded by vLLM's default loader"
+            "dist_sr), or the model was not built by one of vLLM's model loaders"
         )
-    return {"method": "recorded at load", "digests": _hex(record.entries)}
+    return {
+        "method": "recorded at load",
+        "digests": _hex(record.entries),
+        "start": {"loader": record.loader, "load_format": record.load_format, "pushes": record.pushes},
+        **record.readback.report(model, record.entries),
+    }
 
 
 def _hex(entries: dict) -> dict:

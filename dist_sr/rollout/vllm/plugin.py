@@ -1,10 +1,17 @@
-"""Engine side: the ``dist_sr`` weight-transfer backend for vLLM, and a worker extension that
-reports what each worker received.
+"""Engine side: the ``dist_sr`` weight-transfer backend for vLLM, and the RPCs that report what
+each worker received and holds.
 
-Registered through the ``vllm.general_plugins`` entry point, so ``vllm serve`` (and its workers)
-find it; select it with ``--weight-transfer-config '{"backend": "dist_sr"}'`` and add
-``--worker-extension-cls dist_sr.rollout.vllm.plugin.WorkerExtension`` for digests. The weight
-routes need ``VLLM_SERVER_DEV_MODE=1``; expose them only to the trainer (see k8s/).
+Registered through the ``vllm.general_plugins`` entry point, which vLLM runs in every process
+(API server, engine core, each worker) of an environment where dist-sr is installed, before any
+worker is built. ``register`` then:
+- registers the backend (select it with ``--weight-transfer-config '{"backend": "dist_sr"}'``);
+- records every model load, whatever the load format (``held.install_load_recorder``);
+- gives every worker class the ``dist_sr_held_weights`` and ``dist_sr_weight_report`` RPCs, so
+  they answer through ``collective_rpc`` whatever worker extension the framework configured
+  (verl's, OpenRLHF's, TRL's, none): nothing for the user to add to a command line they do not
+  own. ``WorkerExtension`` is kept as an empty class for command lines that still name it.
+
+The weight routes need ``VLLM_SERVER_DEV_MODE=1``; expose them only to the trainer (see k8s/).
 
 Per sync: ``start_weight_update`` opens vLLM's layerwise reload; ``update_weights`` receives the
 whole plan (every bucket, from one or many trainer ranks) over gloo and hands HF-named full
@@ -42,7 +49,9 @@ class VLLMCapabilities:
     (0.24). ``engine_lifecycle``: the worker calls the engine's ``start_weight_update`` /
     ``finish_weight_update`` (0.25 and later); otherwise the worker runs vLLM's layerwise reload
     itself and passes ``load_weights`` to ``receive_weights`` (0.24). ``backend_missing`` and
-    ``record_missing`` name what the backend and the held-weights record need and this vLLM lacks."""
+    ``record_missing`` name what the backend and the held-weights record need and this vLLM lacks
+    (the record: every model loader's ``load_weights(model, model_config)``, and the worker base
+    class the RPCs are given to)."""
 
     version: str
     engine_lifecycle: bool = False
@@ -101,11 +110,12 @@ def capabilities() -> VLLMCapabilities:
     _find(
         "vllm.model_executor.model_loader.reload", ("initialize_layerwise_reload", "finalize_layerwise_reload"), backend
     )
-    loader = _find("vllm.model_executor.model_loader.default_loader", ("DefaultModelLoader",), record)
+    loader = _find("vllm.model_executor.model_loader.base_loader", ("BaseModelLoader",), record)
     if loader is not None:
-        params = list(inspect.signature(loader.DefaultModelLoader.load_weights).parameters)
+        params = list(inspect.signature(loader.BaseModelLoader.load_weights).parameters)
         if params[:3] != ["self", "model", "model_config"]:
-            record.append(f"DefaultModelLoader.load_weights(model, model_config) (this one takes {params[1:]})")
+            record.append(f"BaseModelLoader.load_weights(model, model_config) (this one takes {params[1:]})")
+    _find("vllm.v1.worker.worker_base", ("WorkerBase",), record)
     engine_args: tuple[str, ...] = ()
     lifecycle = False
     if base is not None:
@@ -163,15 +173,29 @@ def register() -> None:
         log.warning("dist-sr: %s", caps.record_refusal())
         return
     try:
-        held.install_load_recorder()  # what the engine holds, whatever transport loads it (WorkerExtension)
+        held.install_load_recorder()  # what the engine holds, whatever transport loads it
+        _give_workers_the_rpcs()
     except Exception as exc:  # never keep vLLM from starting over the record
         held.not_recorded(f"installing the load record failed: {exc!r}")
         log.warning("dist-sr: weight loads are not recorded (%r)", exc)
 
 
+def _give_workers_the_rpcs() -> None:
+    """Every worker class answers dist-sr's RPCs (idempotent): they are set on vLLM's worker base
+    class, so a framework's own ``worker_extension_cls`` needs nothing from the user."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for name, fn in RPCS.items():
+        if getattr(WorkerBase.__dict__.get(name), "__dist_sr__", False):
+            continue
+        fn.__dist_sr__ = True
+        setattr(WorkerBase, name, fn)
+
+
 def _bracket_worker_updates() -> None:
     """Where the worker runs the reload itself (vLLM 0.24), tell dist-sr's engine when an update
-    starts and finishes, so its report says which weights are partial (idempotent)."""
+    starts and finishes, so its report says which weights are partial, and close the reload a
+    failed update left open before the next starts (``close_interrupted_reload``; idempotent)."""
     worker = _worker_class()
     if getattr(worker.start_weight_update, "__dist_sr__", False):
         return
@@ -179,14 +203,24 @@ def _bracket_worker_updates() -> None:
 
     def start_weight_update(self, *args, **kwargs):
         engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(engine, DistSRWeightTransferEngine):
-            engine.update_started()
-        return start(self, *args, **kwargs)
+        if not isinstance(engine, DistSRWeightTransferEngine):
+            return start(self, *args, **kwargs)
+        if not getattr(self, "_weight_update_active", False):
+            # 0.24's worker, when an update fails, only clears its flag: the reload stays open
+            import torch
+
+            with torch.device(self.device):
+                engine.close_interrupted_reload(self.model_runner.model, self.model_config)
+        engine.update_started()
+        result = start(self, *args, **kwargs)
+        engine.reload_open = getattr(self, "_is_checkpoint_format", True)  # False: no reload opened
+        return result
 
     def finish_weight_update(self, *args, **kwargs):
         result = finish(self, *args, **kwargs)
         engine = getattr(self, "weight_transfer_engine", None)
         if isinstance(engine, DistSRWeightTransferEngine):
+            engine.reload_open = False
             engine.update_finished()
         return result
 
@@ -292,21 +326,29 @@ class DistSRWeightTransferEngine(_engine_base()):
     def update_finished(self) -> None:
         self.receiver.finish()
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    def close_interrupted_reload(self, model, model_config) -> None:
+        """Close the layerwise reload of an update that failed between start and finish (a peer
+        died, a timeout), before the next update opens one: a reload started over an open one
+        keeps the unfinished layers' wrapped loaders and half-buffered weights, and the next load
+        fails (``parameter (torch.Size([0]))``). Every weight is sent again in the next update, so
+        nothing partial stays."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        if self.reload_open:
-            # The previous update failed between start and finish (a peer died, a timeout): close
-            # that reload first. Starting a second one over it leaves parameters without their
-            # weight loaders. Every weight is sent again in this update, so nothing partial stays.
-            try:
-                finalize_layerwise_reload(self.model, self.model_config)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"cannot recover from the interrupted weight update ({exc}); restart this "
-                    "engine: the trainer then resyncs it before it serves"
-                ) from exc
-            self.reload_open = False
+        if not self.reload_open:
+            return
+        try:
+            finalize_layerwise_reload(model, model_config)
+        except Exception as exc:
+            raise RuntimeError(
+                f"cannot recover from the interrupted weight update ({exc}); restart this "
+                "engine: the trainer then resyncs it before it serves"
+            ) from exc
+        self.reload_open = False
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.close_interrupted_reload(self.model, self.model_config)
         self.update_started()
         initialize_layerwise_reload(self.model)
         self.reload_open = True
@@ -329,22 +371,35 @@ class DistSRWeightTransferEngine(_engine_base()):
         self.receiver.shutdown()
 
 
+def dist_sr_weight_report(self) -> dict:
+    """What this worker last received through dist-sr's backend: weight version, and the
+    layout-free digest of every HF-named tensor (``complete`` is False between start and finish)."""
+    engine = getattr(self, "weight_transfer_engine", None)
+    if not isinstance(engine, DistSRWeightTransferEngine):
+        return {"version": None, "digests": {}, "complete": False, "backend": type(engine).__name__}
+    return engine.receiver.report()
+
+
+def dist_sr_held_weights(self) -> dict:
+    """What this worker holds now, under HF names, however it arrived (``held.report``: as loaded,
+    read back, the tensors only verified as loaded), and where the worker sits (``worker``)."""
+    from .held import report
+
+    out = report(self.model_runner.get_model())
+    pc = getattr(self, "parallel_config", None) or self.vllm_config.parallel_config
+    out["worker"] = {
+        "rank": int(getattr(self, "rank", 0)),
+        "tensor_parallel_size": int(pc.tensor_parallel_size),
+        "pipeline_parallel_size": int(pc.pipeline_parallel_size),
+    }
+    return out
+
+
+RPCS = {"dist_sr_weight_report": dist_sr_weight_report, "dist_sr_held_weights": dist_sr_held_weights}
+
+
 class WorkerExtension:
-    """Mixed into vLLM's worker (``--worker-extension-cls``): RPCs the fleet client calls through
-    ``/collective_rpc``."""
-
-    def dist_sr_weight_report(self) -> dict:
-        """What this worker last loaded: weight version, and the layout-free digest of every
-        HF-named tensor it received (``complete`` is False between start and finish)."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        if not isinstance(engine, DistSRWeightTransferEngine):
-            return {"version": None, "digests": {}, "complete": False, "backend": type(engine).__name__}
-        return engine.receiver.report()
-
-    def dist_sr_held_weights(self) -> dict:
-        """The layout-free digest of the weights this worker holds now, under HF names, however
-        they arrived (the checkpoint loader, dist-sr's backend, TRL's ``load_weights`` push,
-        vLLM's own NCCL weight transfer): ``{"method", "digests"}`` (``held.report``)."""
-        from .held import report
-
-        return report(self.model_runner.get_model())
+    """Kept for command lines that name it (``--worker-extension-cls
+    dist_sr.rollout.vllm.plugin.WorkerExtension``): the plugin gives every worker dist-sr's RPCs
+    (``RPCS``) itself, so this class adds nothing (and must not: vLLM refuses an extension whose
+    names the worker already has)."""

@@ -1,0 +1,155 @@
+"""Trainer side of the held-weights check: does every worker of an engine hold the bits the
+trainer meant it to hold, tensor by tensor?
+
+The workers' ``dist_sr_held_weights`` answers (``held.report``) are compared with the trainer's
+digest entries (``{name: (dtype, shape, sum)}``: the keyed BF16 working weights, summed from the
+FP32 masters on every trainer rank, not from what was sent, so an exporter that pushed a master
+cast to nearest is caught). Per tensor, the strongest evidence available decides:
+
+- **held**: the elements read back from the parameters, combined over the workers (replicas must
+  agree, tensor-parallel slices must cover every element once), equal the trainer's;
+- **as loaded**: the tensor could not be read back on any worker (a repacked CPU linear, a name
+  the model maps elsewhere), but every worker was handed exactly the trainer's bits;
+- otherwise it is a problem, named: never loaded, handed other bits (the transfer or the
+  exporter changed them), held other values than handed (the load dropped or changed it), held
+  only partly (a loader took the wrong slice, a stage dropped a layer), replicas that disagree.
+
+An engine started from dummy weights that no push has reached says so ("no weights from the
+trainer yet"), and is never reported verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import Refusal
+from .readback import combine_readbacks
+
+Entries = dict[str, tuple[str, tuple[int, ...], int]]
+WAITING = "no weights from the trainer yet"
+
+
+class HeldWeightsMismatch(Refusal, RuntimeError):
+    """An engine does not hold the trainer's bits; the message names the engine and tensors."""
+
+    what = "held weights differ"
+
+
+@dataclass(frozen=True)
+class Problem:
+    tensor: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    """One engine's answer to "do you hold what the trainer holds?"."""
+
+    engine: str
+    held: tuple[str, ...]  # verified by reading the parameters back
+    as_loaded: dict[str, str]  # verified only as handed to load_weights: tensor -> why not read back
+    problems: tuple[Problem, ...]
+    workers: int
+    start: str  # the load format the engine started from (e.g. "dummy", "auto")
+    waiting: bool = False  # started from dummy weights and no push reached it
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.waiting
+
+    def summary(self) -> str:
+        if self.waiting:
+            return f"{self.engine}: {WAITING} (started with load format {self.start!r}, nothing pushed)"
+        if self.problems:
+            first = "; ".join(f"{p.tensor}: {p.reason}" for p in self.problems[:3])
+            return (
+                f"{self.engine}: {len(self.problems)} tensor(s) not held as the trainer holds them "
+                f"({first}{'; ...' if len(self.problems) > 3 else ''})"
+            )
+        return (
+            f"{self.engine}: verified {len(self.held) + len(self.as_loaded)} tensors on {self.workers} worker(s): "
+            f"{len(self.held)} read back from the parameters, {len(self.as_loaded)} only as loaded"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "verified": float(self.ok),
+            "tensors_read_back": float(len(self.held)),
+            "tensors_as_loaded": float(len(self.as_loaded)),
+            "tensors_differ": float(len(self.problems)),
+        }
+
+
+def entries_of(recorded: dict) -> Entries:
+    """Digest entries from a report's ``{name: [dtype, shape, hex sum, ...]}``."""
+    return {n: (v[0], tuple(v[1]), int(v[2], 16)) for n, v in recorded.items()}
+
+
+def check_engine(engine: str, workers: list[dict], expected: Entries) -> EngineCheck:
+    """Compare every worker's ``dist_sr_held_weights`` answer of ``engine`` with ``expected``."""
+    starts = [w.get("start") or {} for w in workers]
+    start = str(starts[0].get("load_format")) if starts else "?"
+    loaded = [entries_of(w.get("digests", {})) for w in workers]
+    if expected and all(s.get("load_format") == "dummy" and not s.get("pushes") for s in starts):
+        if not any(loaded):
+            return EngineCheck(engine, (), {}, (), len(workers), start, waiting=True)
+    held, as_loaded, problems = [], {}, []
+    for name, (dtype, shape, total) in expected.items():
+        reason = _as_loaded_problem(name, (dtype, shape, total), loaded)
+        if reason is not None:
+            problems.append(Problem(name, reason))
+            continue
+        parts = [w["readback"][name] for w in workers if name in w.get("readback", {})]
+        if not parts:
+            why = {w.get("unreadable", {}).get(name) for w in workers} - {None}
+            as_loaded[name] = "; ".join(sorted(why)) or "no worker reads it back"
+            continue
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        got = combine_readbacks(name, numel, parts)
+        if got.problem is not None:
+            problems.append(Problem(name, got.problem))
+        elif got.covered != numel:
+            problems.append(
+                Problem(
+                    name,
+                    f"held only in part: {got.covered} of {numel} elements on the workers that hold it (a "
+                    "tensor-parallel loader took the wrong slice, or a worker dropped it)",
+                )
+            )
+        elif any(p[0] != dtype for p in parts) or got.sum != total:
+            problems.append(
+                Problem(name, "the parameters hold other values than the trainer's (the load dropped or changed it)")
+            )
+        else:
+            held.append(name)
+    return EngineCheck(engine, tuple(held), as_loaded, tuple(problems), len(workers), start)
+
+
+def _as_loaded_problem(name: str, want: tuple, loaded: list[Entries]) -> str | None:
+    for rank, entries in enumerate(loaded):
+        got = entries.get(name)
+        if got is None:
+            return f"never loaded by worker {rank}"
+        if got != want:
+            form = "" if got[:2] == want[:2] else f" ({got[0]} {list(got[1])}, not {want[0]} {list(want[1])})"
+            return (
+                f"worker {rank} was handed other bits than the trainer's{form}: a master cast to nearest, "
+                "another version, or a transfer that changed them"
+            )
+    return None
+
+
+def require(checks: list[EngineCheck], *, warn_only: bool = False, log=None) -> None:
+    """Raise ``HeldWeightsMismatch`` naming every engine that failed its check (or, with
+    ``warn_only``, log it as a warning and go on)."""
+    bad = [c for c in checks if not c.ok]
+    if not bad:
+        return
+    message = "dist-sr held-weights check: " + " | ".join(c.summary() for c in bad)
+    if warn_only:
+        if log is not None:
+            log.warning("%s (warn only: training goes on)", message)
+        return
+    raise HeldWeightsMismatch(message)
