@@ -99,3 +99,41 @@ def dead_zone_counts(before: torch.Tensor, after: torch.Tensor) -> tuple[int, in
     half = bf16_spacing(before.float()).view(-1) / 2
     moved = (step != 0) & torch.isfinite(step) & torch.isfinite(half)
     return int((moved & (step.abs() < half)).sum()), int(moved.sum())
+
+
+class ChangedShare:
+    """The share of working-weight elements whose bits changed since the last observation,
+    estimated on a fixed sample: the elements whose index in the full parameter is a multiple of
+    ``stride``. The sample depends on global indices only, so every rank of any layout (FSDP2
+    shards, ZeRO partitions, a replica's slice) samples its own part of one set, and the ranks'
+    counts add up. Memory: 2 bytes per ``stride`` local elements (a copy of the sample), against
+    a full copy for an exact count; the estimate's standard error is ``sqrt(p (1 - p) / n)`` for
+    ``n`` sampled elements (0.0014 at p = 0.26, a 135M-parameter model and the default stride)."""
+
+    def __init__(self, stride: int = 1009):  # a prime: no alignment with row lengths
+        if stride < 1:
+            raise ValueError(f"stride must be at least 1, got {stride}")
+        self.stride = stride
+        self._previous: dict[tuple[str, int], torch.Tensor] = {}
+
+    @torch.no_grad()
+    def observe(self, pieces) -> tuple[int, int]:
+        """``(changed, sampled)`` on this rank since the previous call, over ``pieces`` (each with
+        ``name``, ``start`` (the global index of its first element) and flat ``bits``: a
+        ``WeightSource``'s ``LocalPiece``s); ``(0, n)`` for a piece seen for the first time. Sum
+        both over ranks for the share."""
+        changed = sampled = 0
+        for piece in pieces:
+            name, start = piece.name, int(piece.start)
+            first = (-start) % self.stride
+            sample = piece.bits.reshape(-1)[first :: self.stride]
+            words = sample.view({2: torch.int16, 4: torch.int32, 1: torch.uint8, 8: torch.int64}[sample.element_size()])
+            key = (name, start)
+            before = self._previous.get(key)
+            if before is not None and before.shape == words.shape:
+                changed += int((before != words).sum())
+                before.copy_(words)
+            else:
+                self._previous[key] = words.clone()
+            sampled += words.numel()
+        return changed, sampled

@@ -71,3 +71,31 @@ def test_dead_zone_fraction_of_fp32_weights_is_measured_against_the_bf16_grid():
     with torch.no_grad():
         w.add_(torch.tensor([0.001, 0.007, 0.008, 0.0]))
     assert meter.update()["dead_zone_frac"] == 2 / 3
+
+
+def test_the_sampled_changed_share_is_layout_free_and_within_its_standard_error():
+    from dist_sr.optim.metrics import ChangedShare
+    from dist_sr.sources import LocalPiece
+
+    g = torch.Generator().manual_seed(0)
+    n, p_change = 200_003, 0.26
+    before = torch.randn(n, generator=g).to(torch.bfloat16)
+    flip = torch.rand(n, generator=g) < p_change
+    after = torch.where(flip, (before.view(torch.int16) + 1).view(torch.bfloat16), before)
+
+    def pieces(bits, world):  # the same tensor as `world` ranks hold it, uneven splits included
+        edges = [round(i * n / world) + (i % 2) * 7 for i in range(world)] + [n]
+        edges[0] = 0
+        return [[LocalPiece("w", a, b, bits[a:b])] for a, b in zip(edges, edges[1:])]
+
+    counts = {}
+    for world in (1, 3, 4):
+        meters = [ChangedShare() for _ in range(world)]
+        for meter, part in zip(meters, pieces(before, world)):
+            assert meter.observe(part)[0] == 0  # a first observation changes nothing
+        counts[world] = [sum(x) for x in zip(*(m.observe(part) for m, part in zip(meters, pieces(after, world))))]
+    assert counts[1] == counts[3] == counts[4]  # one sample, however the tensor is split
+    changed, sampled = counts[1]
+    assert sampled == len(range(0, n, 1009))
+    share, exact = changed / sampled, float(flip.float().mean())
+    assert abs(share - exact) < 4 * math.sqrt(exact * (1 - exact) / sampled)  # 4 standard errors

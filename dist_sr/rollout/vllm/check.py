@@ -20,13 +20,26 @@ trainer yet"), and is never reported verified.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from ...config import Refusal
+from ...config import ConfigError, Refusal
 from .readback import combine_readbacks
 
 Entries = dict[str, tuple[str, tuple[int, ...], int]]
 WAITING = "no weights from the trainer yet"
+VERIFY_ENV = "DIST_SR_VERIFY"  # what a failed check does in a peer's loop: "stop" (default) or "warn"
+
+
+def verify_mode(env=None) -> str:
+    """``DIST_SR_VERIFY``: ``stop`` (a failed check stops the step, the default) or ``warn``."""
+    raw = (os.environ if env is None else env).get(VERIFY_ENV, "stop").strip().lower() or "stop"
+    if raw not in ("stop", "warn"):
+        raise ConfigError(
+            f"{VERIFY_ENV}={raw!r}: say 'stop' (a rollout engine that does not hold the trainer's bits stops "
+            "the step) or 'warn' (log it and train on)"
+        )
+    return raw
 
 
 class HeldWeightsMismatch(Refusal, RuntimeError):
