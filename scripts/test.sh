@@ -4,7 +4,7 @@
 # DIST_SR_SKIP_VLLM=1 skips the vLLM environment (its tests then skip, saying why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh rl deepspeed dev
+bash scripts/setup.sh rl deepspeed smollm2 dev
 if [ -z "${DIST_SR_SKIP_VLLM:-}" ]; then
   bash scripts/setup_vllm.sh
 fi

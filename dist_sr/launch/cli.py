@@ -4,6 +4,9 @@ dist-sr compare [CONFIG]             precision comparison (embedded default with
 dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONFIG); the options
                                      and checks of launch/train.py, which torchrun/deepspeed start
 dist-sr key NAME --seed S --step T   print a parameter's stream key
+dist-sr diagnose CHECKPOINT --lr LR  does round-to-nearest stick on this checkpoint (GGUF file, HF
+                                     directory or smollm2) at this lr, and does SR fix it? A few real
+                                     AdamW steps under each; a table, JSON and a figure
 dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
 dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
 dist-sr snapshot materialize DIR OUT the newest weight version the snapshots in DIR prove (a dense
@@ -50,6 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_cmp.add_argument("--report-only", action="store_true", help="rewrite the report from finished runs")
     p_cmp.add_argument("--no-progress", action="store_true")
+
+    p_diag = sub.add_parser("diagnose", help="weight sticking on your checkpoint: RTN vs SR, per parameter group")
+    p_diag.add_argument("checkpoint", help="a GGUF file, a Hugging Face directory, or smollm2 (the shipped GGUF)")
+    p_diag.add_argument("--lr", type=float, required=True, help="the AdamW learning rate you train with")
+    p_diag.add_argument("--steps", type=int, default=4, help="optimizer steps under each rounding (default 4)")
+    p_diag.add_argument("--batch", type=int, default=16, help="samples per step (default 16)")
+    p_diag.add_argument(
+        "--samples", help='JSONL of {"prompt": ..., "completion": ...} (default: the built-in chat-add task)'
+    )
+    p_diag.add_argument("--seed", type=int, default=0, help="which samples make the batches")
+    p_diag.add_argument("--out", default="runs/diagnose", help="where diagnose.json and diagnose.png go")
+    p_diag.add_argument("--cache-dir", default="runs/cache", help="where the checkpoint's BF16 cast is kept")
+    p_diag.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p_diag.add_argument("--no-progress", action="store_true")
 
     p_key = sub.add_parser("key", help="print the stream key of a parameter")
     p_key.add_argument("name")
@@ -100,10 +117,35 @@ def _command(args: argparse.Namespace) -> int:
         for line in m.refused:
             print(f"dist-sr snapshot: refused {line}", file=sys.stderr)
         print(f"materialized version {m.version} (base v{m.base} + {m.deltas} deltas) into {m.path}, digest {m.digest}")
+    elif args.command == "diagnose":
+        _diagnose(args)
     elif args.command == "key":
         key = stream_key(seed=args.seed, step=args.step, param=args.name, mode=args.mode)
         print(f"{normalize_param_name(args.name)} {key:016x}")
     return 0
+
+
+def _diagnose(args: argparse.Namespace) -> None:
+    import torch
+
+    from ..rl import diagnose
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    d = diagnose.diagnose(
+        args.checkpoint,
+        lr=args.lr,
+        steps=args.steps,
+        batch=args.batch,
+        seed=args.seed,
+        samples=args.samples,
+        cache_dir=args.cache_dir,
+        progress=not args.no_progress,
+    )
+    js, png = diagnose.write(d, args.out)
+    print(diagnose.table(d))
+    print(f"\njson: {js}\nfigure: {png}")
+    print(d.last_line())
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "reverse"  # reverse | add | dataset
-    num_digits: int = 5
+    name: str = "reverse"  # reverse | add | chat-add (a chat model's own format) | dataset
+    num_digits: int = 5  # chat-add: each operand has 1..num_digits digits
+    question: str = "What is {a} + {b}?"  # chat-add: the user message
     source: str | None = None  # dataset: file path (.jsonl/.json/.parquet/.csv) or hub name
     split: str = "train"
     prompt_field: str = "question"
@@ -72,6 +73,8 @@ class TaskConfig:
             raise ConfigError(f"task.name: unknown task {self.name!r}; choose one of {', '.join(TASKS)}")
         if self.name == "dataset" and not self.source:
             raise ConfigError("task.source: the dataset task needs a file path or dataset name")
+        if self.name == "chat-add" and ("{a}" not in self.question or "{b}" not in self.question):
+            raise ConfigError(f"task.question must contain {{a}} and {{b}} (the operands), got {self.question!r}")
 
 
 @dataclass

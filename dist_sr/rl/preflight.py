@@ -23,6 +23,8 @@ import torch
 from ..config import ConfigError, Refusal
 from ..engines.checkpoints import manifest_key
 from ..weightsync import auth
+from .checkpoint import SMOLLM2, resolve
+from .checkpoint import hf_config as checkpoint_config
 from .config import ExperimentConfig
 
 
@@ -43,6 +45,8 @@ def check_secrets(cfg: ExperimentConfig) -> None:
     sync secret a vLLM fleet needs."""
     manifest_key()
     if cfg.rollout.engine == "vllm":
+        if cfg.rollout.vllm.local_python and auth.load(required=False) is None:
+            os.environ[auth.ENV] = auth.generate()  # engines started here inherit this run's secret
         auth.load()
 
 
@@ -107,10 +111,15 @@ def count_parameters(cfg: ExperimentConfig) -> int:
         with torch.device("meta"):
             model = build_tiny(cfg.model, char_tokenizer())
     else:
-        try:
-            hf_config = AutoConfig.from_pretrained(cfg.model.path)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"model.path {cfg.model.path!r}: no readable model config ({exc})") from None
+        if cfg.model.path == SMOLLM2 or Path(cfg.model.path).is_file():  # a GGUF file: its metadata
+            hf_config = checkpoint_config(resolve(cfg.model.path))
+            if hasattr(hf_config, "quantization_config"):
+                del hf_config.quantization_config  # the run trains the dequantized BF16 cast
+        else:
+            try:
+                hf_config = AutoConfig.from_pretrained(cfg.model.path)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"model.path {cfg.model.path!r}: no readable model config ({exc})") from None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     return sum(p.numel() for p in model.parameters())

@@ -1,4 +1,5 @@
-"""Verifiable-reward tasks: generated ones (digit reversal, addition) and datasets from files.
+"""Verifiable-reward tasks: generated ones (digit reversal, addition, addition asked in a
+pretrained model's own chat format) and datasets from files.
 
 A task yields ``Example(prompt, answer)`` and scores a completion with an exact-match reward.
 """
@@ -127,4 +128,66 @@ class DatasetTask(Task):
         return self._extract(completion)
 
 
-TASKS = {"reverse": ReverseDigits, "add": Addition, "dataset": DatasetTask}
+_INTEGER = re.compile(r"-?\d+(?:,\d{3})*")
+
+
+def last_integer(text: str) -> str | None:
+    """The last integer written in ``text`` (digit-group commas removed: ``1,234`` is ``1234``;
+    a minus sign directly before it kept), or None when there is none."""
+    found = _INTEGER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def chat_prompt(tokenizer, message: str) -> str:
+    """``message`` as one user turn in the tokenizer's own chat template, ending with the
+    template's generation prompt. A system turn the template adds when none is given (SmolLM2's
+    "You are a helpful AI assistant named SmolLM...") is left out: the model is asked in its own
+    format, and prompts stay short."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; the chat task needs a chat model's tokenizer")
+    user = {"role": "user", "content": message}
+    plain = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    system = {"role": "system", "content": ""}
+    empty = tokenizer.apply_chat_template([system], tokenize=False)
+    both = tokenizer.apply_chat_template([system, user], tokenize=False, add_generation_prompt=True)
+    # the user turn as the template writes it after a system turn; the same text ends ``plain``
+    # when the template's default system turn is a prefix of it
+    turn = both[len(empty) :] if both.startswith(empty) else plain
+    return turn if plain.endswith(turn) else plain
+
+
+class ChatArithmetic(Task):
+    """Addition asked in a chat model's own language: ``question`` (default "What is {a} + {b}?")
+    as one user turn in its chat template, no system prompt (about 25 tokens for SmolLM2).
+
+    Operands: each has 1 to ``num_digits`` digits (the count drawn uniformly, then the value), so
+    the prompts mix single-digit sums the model often gets right with harder ones it rarely does.
+
+    Format rule (the reward): the answer is the **last integer** in the completion (digit-group
+    commas removed); the reward is 1.0 when it equals ``a + b`` exactly, else 0.0. "The answer is
+    12." and "5 + 7 = 12" score 1; "12 or 13" scores 0 (its last integer is 13); a completion cut
+    off by ``grpo.max_new_tokens`` before it states the sum scores 0.
+    """
+
+    name = "chat-add"
+
+    def __init__(self, num_digits: int = 2, *, tokenizer, question: str = "What is {a} + {b}?"):
+        if num_digits < 1:
+            raise ValueError("task.num_digits must be >= 1")
+        if "{a}" not in question or "{b}" not in question:
+            raise ValueError(f"task.question must contain {{a}} and {{b}}, got {question!r}")
+        self.num_digits, self.tokenizer, self.question = num_digits, tokenizer, question
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.num_digits)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def sample(self, rng: random.Random) -> Example:
+        a, b = self._operand(rng), self._operand(rng)
+        return Example(chat_prompt(self.tokenizer, self.question.format(a=a, b=b)), str(a + b))
+
+    def extract(self, completion: str) -> str:
+        return last_integer(completion) or ""
+
+
+TASKS = {"reverse": ReverseDigits, "add": Addition, "dataset": DatasetTask, "chat-add": ChatArithmetic}

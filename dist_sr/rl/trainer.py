@@ -12,6 +12,7 @@ directory (claiming, resuming) is ``rundir``, the metrics file ``metrics``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import random
@@ -37,7 +38,7 @@ from .metrics import MetricsWriter
 from .mismatch import importance_weights, mismatch_metrics
 from .model import load_pretrained
 from .preflight import preflight
-from .warmup import make_task, warmup_checkpoint
+from .warmup import make_task, start_checkpoint
 
 
 class RolloutWeightMismatch(Refusal, RuntimeError):
@@ -134,12 +135,12 @@ class GRPORun:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.sharded else (0, 1)
         rank, world = self.rank, self.world
         rundir.claim(out_dir, cfg, resume=resume, overwrite=overwrite, rank=rank, world=world)
-        self.task = make_task(cfg)
-        if cfg.model.path is None and rank == 0:
-            warmup_checkpoint(cfg, progress=progress)  # rank 0 trains it; the others then read the cache
+        if rank == 0:
+            start_checkpoint(cfg, progress=progress)  # rank 0 warms up or casts it; the others read the cache
         if world > 1:
             dist.barrier()
-        model, self.tokenizer = load_pretrained(cfg.model.path or warmup_checkpoint(cfg, progress=False))
+        model, self.tokenizer = load_pretrained(start_checkpoint(cfg, progress=False))
+        self.task = make_task(cfg, self.tokenizer)
         self.device = training_device()
         model.to(self.device)
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # FP32 copy of the start weights
@@ -164,8 +165,12 @@ class GRPORun:
         if make_engine is not None:
             self.rollout = make_engine(self.trainer.module, self.tokenizer)
         else:
+            rollout_cfg = cfg.rollout
+            if rollout_cfg.vllm.local_python and not rollout_cfg.vllm.local_log_dir:  # engines started here log here
+                vllm = dataclasses.replace(rollout_cfg.vllm, local_log_dir=str(out_dir / "engines"))
+                rollout_cfg = dataclasses.replace(rollout_cfg, vllm=vllm)
             self.rollout = make_rollout_engine(
-                cfg.rollout, self.trainer, self.tokenizer, device=self.device, sharded=self.sharded
+                rollout_cfg, self.trainer, self.tokenizer, device=self.device, sharded=self.sharded
             )
         # what the rollouts' weights must be: re-derived from the masters (an engine whose digest is of
         # another kind supplies the trainer's digest in that kind)
@@ -340,6 +345,10 @@ class GRPORun:
         if self.writer is not None:
             self.writer.close()
 
+    def close(self) -> None:
+        """Stop what the run started (local rollout engines)."""
+        getattr(self.rollout, "close", lambda: None)()
+
 
 def train(
     cfg: ExperimentConfig,
@@ -368,6 +377,13 @@ def train(
     if resume not in (False, True, "auto"):
         raise ValueError(f"resume must be False, True or 'auto', got {resume!r}")
     run = GRPORun(cfg, progress=progress, resume=resume, overwrite=overwrite, make_engine=make_engine)
+    try:
+        return _train_loop(run, cfg, progress=progress, stop_at=stop_at)
+    finally:
+        run.close()
+
+
+def _train_loop(run: GRPORun, cfg: ExperimentConfig, *, progress: bool, stop_at: int | None) -> Path:
     g = cfg.grpo
     if run.start == 0:
         run.write({"step": 0, **run.evaluate()})

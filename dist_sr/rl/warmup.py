@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from ..engines import training_device
 from ..rollout.base import encode_prompts
-from .config import ExperimentConfig
+from .checkpoint import SMOLLM2, bf16_start, cast_ready
+from .config import ConfigError, ExperimentConfig
 from .cpu_math import pinned_isa
 from .evaluation import evaluate, fixed_examples
 from .grpo import sequence_logits, token_logprobs
@@ -45,8 +46,16 @@ def cache_key(cfg: ExperimentConfig, device_type: str | None = None) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def make_task(cfg: ExperimentConfig):
+def make_task(cfg: ExperimentConfig, tokenizer=None):
+    """The task of ``cfg``; ``chat-add`` asks in ``tokenizer``'s chat template (the policy's own)."""
     t = cfg.task
+    if t.name == "chat-add":
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "task.name chat-add asks in the model's own chat template: set model.path to a chat model "
+                "(a GGUF file, a Hugging Face directory, or smollm2)"
+            )
+        return TASKS["chat-add"](t.num_digits, tokenizer=tokenizer, question=t.question)
     if t.name == "dataset":
         return TASKS["dataset"](t.source, t.split, t.prompt_field, t.answer_field, t.answer_format)
     return TASKS[t.name](t.num_digits)
@@ -115,3 +124,28 @@ def warmup_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
+
+
+def _hub_id(path: str) -> bool:
+    local = Path(path).expanduser()
+    return path != SMOLLM2 and not local.exists() and not (str(path).startswith((".", "/", "~")) or local.suffix)
+
+
+def start_ready(cfg: ExperimentConfig) -> bool:
+    """Whether ``cfg``'s start checkpoint is on disk already (warm-up cached, BF16 cast written)."""
+    path = cfg.model.path
+    if path is None:
+        return is_cached(cfg)
+    return _hub_id(path) or cast_ready(path, cfg.warmup.cache_dir)
+
+
+def start_checkpoint(cfg: ExperimentConfig, progress: bool = True) -> str:
+    """The BF16 checkpoint a run starts from: the warmed-up tiny model (``model.path`` unset), or
+    the BF16 cast of ``model.path`` (a GGUF file, a directory, ``smollm2``; ``checkpoint``), which
+    the trainer and the rollout engines both load. A hub id is passed through unchanged."""
+    path = cfg.model.path
+    if path is None:
+        return str(warmup_checkpoint(cfg, progress=progress))
+    if _hub_id(path):
+        return path  # a hub id: from_pretrained resolves it (where the machine has network access)
+    return str(bf16_start(path, cfg.warmup.cache_dir))

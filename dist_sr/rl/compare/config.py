@@ -54,6 +54,7 @@ class CompareConfig:
     lrs: list[float] = field(default_factory=list)  # a sweep: every run at each lr (x its lr_scale)
     runs: list[RunSpec] = field(default_factory=_default_runs)
     parallel: int = 2
+    threads: int = 1  # torch threads of each run (parallel x threads: the cores the comparison uses)
     threshold: float = 0.05  # accuracy gain for "steps to threshold" and matched-accuracy KL
     report_steps: list[int] = field(default_factory=lambda: [100, 200, 300])
     reference: str = "bf16-sr"  # the run others are compared with in the goal checks
@@ -74,6 +75,8 @@ class CompareConfig:
             raise ConfigError(f"lrs has duplicates: {self.lrs!r}")
         if self.parallel < 1:
             raise ConfigError(f"parallel must be >= 1 (training processes at a time), got {self.parallel}")
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 (torch threads per run), got {self.threads}")
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def run_config(cfg: CompareConfig, cell: Cell, start: int, seed: int) -> Experim
             "seed": seed,
             "warmup.seed": start,
             "output_dir": str(run_dir(cfg, cell, start, seed)),
-            "threads": 1,
+            "threads": cfg.threads,
         },
     )
 

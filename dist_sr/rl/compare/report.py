@@ -7,9 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..checkpoint import source_note
 from ..config import ConfigError
 from ..cpu_math import machine, resolve_isa
 from .config import CompareConfig, cells, finished, label, run_config, run_dir, run_seeds
+from .matched import matched_kl, matched_lines
 from .summary import Summary, eval_curve, gain_ratio, goal_checks, learning_rates, load_runs, mean, summarize
 
 
@@ -131,8 +133,12 @@ def write_report(cfg: CompareConfig) -> Path:
     summary = summarize(cfg)
     checks = [c for lr in learning_rates(cfg) for c in goal_checks(cfg, summary, lr)]
     _plot(cfg, summary, out / "figure.png")
+    first = cells(cfg)[0]
+    model = run_config(cfg, first, cfg.start_seeds[0], run_seeds(cfg, first)[0]).model.path
     lines = [
         "# dist-sr precision comparison",
+        "",
+        f"Model: {source_note(model)}.",
         "",
         f"Start checkpoints (warm-up seeds): {cfg.start_seeds}; RL seeds from each: {cfg.seeds}"
         + "".join(f" ({cell.label}: {cell.spec.seeds})" for cell in cells(cfg) if cell.spec.seeds is not None)
@@ -168,13 +174,111 @@ def write_report(cfg: CompareConfig) -> Path:
             "",
             "![RTN/SR gain ratio and dead-zone fraction vs learning rate](sweep.png)",
         ]
+    signals = _signals_table(cfg)
+    if signals:
+        _plot_signals(cfg, out / "signals.png")
+        lines += [
+            "",
+            "## Per-step training signals (means over the steps of every run)",
+            "",
+            "Reward: the share of this step's sampled completions that are right; KL k3: to the start "
+            "checkpoint on those samples; changed: working-weight elements whose bits changed in the step; "
+            "not reaching BF16: the share of the FP32 shadows' net movement since step 0 the working weights "
+            "do not follow (last step; `StickingMeter.unfollowed_frac`); trainer-engine gap: mean |log p_trainer "
+            "- log p_engine| of the sampled tokens (rollouts from another engine only).",
+            "",
+            *signals,
+            "",
+            "![reward, share of the update not reaching BF16, trainer-engine gap per step](signals.png)",
+        ]
+    matched = matched_kl(cfg)
+    if matched:
+        lines += ["", *matched_lines(matched)]
     lines += ["", "## Checks of the claims on this data (each must hold at every start checkpoint)", ""]
     lines += [f"- [{'x' if ok else ' '}] {what}: {detail}" for what, ok, detail in checks]
     lines += ["", "![accuracy, KL and changed fraction vs step; accuracy per start checkpoint](figure.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     as_json = {name: dataclasses.asdict(s) for name, s in summary.items()}
-    (out / "summary.json").write_text(json.dumps({"summary": as_json, "checks": checks}, indent=1, default=str))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {"summary": as_json, "checks": checks, "matched_kl": [dataclasses.asdict(m) for m in matched]},
+            indent=1,
+            default=str,
+        )
+    )
     return out / "report.md"
+
+
+SIGNALS = (  # (metrics key, column, format, reduce: mean over steps or the last step's value)
+    ("reward", "reward", ".3f", "mean"),
+    ("kl_k3", "KL k3", ".2e", "mean"),
+    ("changed_frac", "changed/step", ".4f", "mean"),
+    ("unfollowed_frac", "not reaching BF16 (last step)", ".3f", "last"),
+    ("mismatch_abs_mean", "trainer-engine gap", ".4f", "mean"),
+    ("step_time", "s/step", ".1f", "mean"),
+)
+
+
+def _signal(rows: list[dict], key: str, reduce: str) -> float | None:
+    vals = [r[key] for r in rows if r["step"] > 0 and isinstance(r.get(key), (int, float))]
+    if not vals:
+        return None
+    return vals[-1] if reduce == "last" else mean(vals)
+
+
+def _signals_table(cfg: CompareConfig) -> list[str]:
+    """Per cell: the per-step signals of the trainer, averaged over runs (rows only when a cell's
+    runs logged the trainer-engine gap, i.e. rollouts came from a real engine)."""
+    data = load_runs(cfg)
+    runs = {c.label: [rows for seeds in data[c.label].values() for rows in seeds] for c in cells(cfg)}
+    if not any(_signal(rows, "mismatch_abs_mean", "mean") is not None for rs in runs.values() for rows in rs):
+        return []
+    lines = ["| run | " + " | ".join(col for _, col, _, _ in SIGNALS) + " |", "|---|" + "---:|" * len(SIGNALS)]
+    for name, rs in runs.items():
+        cols = []
+        for key, _, fmt, reduce in SIGNALS:
+            vals = [v for v in (_signal(rows, key, reduce) for rows in rs) if v is not None]
+            cols.append(format(mean(vals), fmt) if vals else "—")
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def _plot_signals(cfg: CompareConfig, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = load_runs(cfg)
+    keys = (
+        ("reward", "training reward (running mean of 5 steps)"),
+        ("unfollowed_frac", "share of the FP32 update not reaching BF16"),
+        ("changed_frac", "working-weight elements changed per step"),
+        ("mismatch_abs_mean", "trainer-engine gap: mean |dlogp|"),
+    )
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2))
+    for cell in cells(cfg):
+        runs = [rows for seeds in data[cell.label].values() for rows in seeds]
+        for ax, (key, _) in zip(axes, keys):
+            per_step: dict[int, list[float]] = {}
+            for rows in runs:
+                for r in rows:
+                    if r["step"] > 0 and isinstance(r.get(key), (int, float)):
+                        per_step.setdefault(r["step"], []).append(r[key])
+            steps = sorted(per_step)
+            ys = [mean(per_step[s]) for s in steps]
+            if key == "reward":
+                ys = [mean(ys[max(0, i - 4) : i + 1]) for i in range(len(ys))]
+            if steps:
+                ax.plot(steps, ys, label=cell.label)
+    for ax, (key, title) in zip(axes, keys):
+        ax.set(title=title, xlabel="GRPO step")
+        if key == "changed_frac" and any(y > 0 for ln in ax.get_lines() for y in ln.get_ydata()):
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _plot(cfg: CompareConfig, summary: Summary, path: Path) -> None:

