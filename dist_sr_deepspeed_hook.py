@@ -13,6 +13,8 @@ nothing heavy: it registers an import finder that acts only when one of ``WATCHE
   untested DeepSpeed version, no bf16).
 - ``verl.workers.engine.fsdp.transformer_impl`` with ``DIST_SR_SEED`` set: ``dist_sr.integrations.verl``
   patches verl's FSDP2 engine, as ``actor_rollout_ref.model.external_lib`` would.
+- ``openrlhf.trainer.ray.ppo_actor`` with ``DIST_SR_SEED`` set: ``dist_sr.integrations.openrlhf.enable()``
+  makes OpenRLHF's trainer check every rollout engine after each weight sync and log dist-sr's metrics.
 
 ``DIST_SR_DEEPSPEED_HOOK=0`` turns the hook off for one process: then a job that still asks for SR
 (``DIST_SR_SEED``, an enabled block) is refused at ``deepspeed.initialize``, never trained
@@ -81,10 +83,18 @@ def _enable_verl(module) -> None:
         import dist_sr.integrations.verl  # noqa: F401  (patches verl's FSDPEngine at import)
 
 
+def _enable_openrlhf(module) -> None:
+    if os.environ.get(SEED_ENV, "").strip():
+        from dist_sr.integrations import openrlhf
+
+        openrlhf.enable(module)
+
+
 # module -> what runs right after it is imported (hook on); the guard's table (hook off)
 WATCHED = {
     "deepspeed": _patch_deepspeed,
     "verl.workers.engine.fsdp.transformer_impl": _enable_verl,
+    "openrlhf.trainer.ray.ppo_actor": _enable_openrlhf,
 }
 GUARDED = {"deepspeed": _guard_deepspeed}
 
