@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 class Engine:
     """A vLLM engine in its own process (this environment's vLLM), driven over a connection."""
 
-    def __init__(self, model_dir: Path, extension: str, log: Path, *, env: dict | None = None):
+    def __init__(
+        self, model_dir: Path, extension: str, log: Path, *, env: dict | None = None, load_format: str = "auto"
+    ):
         self.address = ("127.0.0.1", free_port())
         self.authkey = os.urandom(16)
         cmd = [
@@ -34,6 +36,7 @@ class Engine:
             str(model_dir),
             f"{self.address[0]}:{self.address[1]}",
             extension,
+            load_format,
         ]
         self.log = log
         self.proc = subprocess.Popen(

