@@ -125,7 +125,7 @@ def _sweep(tag: str) -> None:
         return
     for name in names:
         m = _SEGMENT.fullmatch(name)
-        if m is None or m.group(1) != tag or int(m.group(2)) == os.getpid():
+        if m is None or m.group(1) != tag:
             continue
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -236,6 +236,8 @@ def _cuda_allocation_end(ptr: int) -> int | None:
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     if lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
         return None
+    if not base.value <= ptr < base.value + size.value:
+        return None  # not a range that holds it: the driver cannot say
     return base.value + size.value
 
 

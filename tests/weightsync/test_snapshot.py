@@ -359,6 +359,10 @@ def test_runs_into_one_out_take_turns_and_each_ends_in_a_verified_checkpoint(cha
             assert os.listdir(out.parent) == [], "a run wrote beside OUT while another held it"
             assert time.monotonic() < deadline
             time.sleep(0.05)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     finally:
         os.close(held)
     results = [p.communicate(timeout=300) for p in procs]
