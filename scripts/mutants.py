@@ -49,6 +49,8 @@ T_FSDP2 = "tests/engines/test_fsdp2.py"
 T_AUTH = "tests/weightsync/test_auth.py"
 T_EXPORT = "tests/weightsync/test_export.py"
 T_CMP = "tests/rl/test_compare.py"
+T_SNAP = "tests/weightsync/test_snapshot.py"
+T_CTRL = "tests/rollout/test_vllm_control.py"
 
 MUTANTS = [
     Mutant(
@@ -668,6 +670,171 @@ MUTANTS = [
         "differ = sorted(n for n in sent if n not in entries)",
         ("tests/rollout/test_vllm_native.py::test_check_held_names_the_tensors_that_differ",),
     ),
+    Mutant(
+        "delta-codes-across-dtypes",
+        "numerics: delta codec",
+        "dist_sr/numerics/delta.py",
+        "if old.dtype != new.dtype:",
+        "if False:",
+        ("tests/numerics/test_delta.py::test_versions_of_two_16_bit_dtypes_are_refused_naming_both",),
+    ),
+    Mutant(
+        "materialize-writes-inside-the-snapshots",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        "if target == src or src in target.parents or _same_as_any(src, target):",
+        "if False:",
+        (
+            f"{T_SNAP}::test_an_out_that_is_the_snapshots_inside_them_or_holding_them_is_refused_before_"
+            "anything_is_touched[DIR/new]",
+        ),
+    ),
+    Mutant(
+        "materialize-replaces-what-it-did-not-write",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        "        foreign = _not_ours(target)\n",
+        "        foreign = []\n",
+        (f"{T_SNAP}::test_an_out_holding_what_materialize_did_not_write_is_refused_and_left_as_it_was",),
+    ),
+    Mutant(
+        "materialize-runs-do-not-take-turns",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        "fcntl.flock(self.fd, fcntl.LOCK_EX)",
+        "fcntl.LOCK_EX",
+        (f"{T_SNAP}::test_runs_into_one_out_take_turns_and_each_ends_in_a_verified_checkpoint",),
+    ),
+    Mutant(
+        "materialize-os-error-is-a-traceback",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        "        shutil.rmtree(tmp, ignore_errors=True)\n        raise _os_refusal(exc, out) from None",
+        "        raise",
+        (f"{T_SNAP}::test_a_read_only_parent_is_one_line_and_the_checkpoint_there_is_kept",),
+    ),
+    Mutant(
+        "snapshot-version-not-compared-with-its-name",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        "if not isinstance(signed, int) or isinstance(signed, bool) or signed != named:",
+        "if not isinstance(signed, int) or isinstance(signed, bool):",
+        (f"{T_SNAP}::test_a_renamed_or_copied_entry_is_refused_naming_its_signed_version_and_its_name",),
+    ),
+    Mutant(
+        "materialize-skips-the-kernels",
+        "weightsync: snapshots",
+        "dist_sr/weightsync/snapshot.py",
+        "for why in cpu.warm_up():",
+        "for why in []:",
+        (f"{T_SNAP}::test_materialize_takes_the_kernels_and_writes_the_bytes_the_torch_paths_write",),
+    ),
+    Mutant(
+        "sparse-refusal-keeps-the-held-copies",
+        "weightsync: sparse export",
+        "dist_sr/weightsync/sparse.py",
+        "            self.reset()  # the peer takes this version dense: so does the next export",
+        "            pass",
+        (
+            "tests/weightsync/test_sparse.py::"
+            "test_a_refused_export_changes_no_held_copy_and_the_peer_stays_right_without_a_reset",
+        ),
+    ),
+    Mutant(
+        "sparse-held-moves-before-delivery",
+        "weightsync: sparse export",
+        "dist_sr/weightsync/sparse.py",
+        "        self._pending = pending, dense\n",
+        "        self._pending = pending, dense\n        self.delivered()\n        self._pending = pending, dense\n",
+        ("tests/weightsync/test_sparse.py::test_pairs_not_delivered_leave_the_next_pairs_against_what_the_peer_holds",),
+    ),
+    Mutant(
+        "sparse-digest-compares-names-not-bits",
+        "weightsync: sparse export",
+        "dist_sr/weightsync/sparse.py",
+        "return sorted(n for n in want if held.get(n) != want[n])",
+        "return sorted(n for n in want if n not in held)",
+        ("tests/weightsync/test_sparse.py::test_the_digest_beside_the_pairs_names_the_tensor_a_peer_holds_otherwise",),
+    ),
+    Mutant(
+        "ipc-size-claim-unchecked",
+        "weightsync: colocated transfer",
+        "dist_sr/weightsync/ipc.py",
+        'if not stat.S_ISREG(st.st_mode) or st.st_size != h["size"]:',
+        "if not stat.S_ISREG(st.st_mode):",
+        (
+            "tests/weightsync/test_ipc.py::"
+            "test_a_handle_claiming_another_size_than_the_segment_is_refused_and_the_segment_stays_usable",
+        ),
+    ),
+    Mutant(
+        "ipc-maps-any-name",
+        "weightsync: colocated transfer",
+        "dist_sr/weightsync/ipc.py",
+        "if m is None or m.group(1) != tag:\n            raise IpcError(",
+        "if False:\n            raise IpcError(",
+        ("tests/weightsync/test_ipc.py::test_a_handle_naming_anything_but_a_segment_of_this_group_is_refused",),
+    ),
+    Mutant(
+        "ipc-segment-kept-after-every-engine-mapped-it",
+        "weightsync: colocated transfer",
+        "dist_sr/weightsync/ipc.py",
+        "            self.segment.unlink()",
+        "            pass",
+        ("tests/weightsync/test_ipc.py::test_a_segment_is_unlinked_once_every_receiver_has_mapped_it",),
+    ),
+    Mutant(
+        "ipc-engine-keeps-a-dead-trainers-buffer",
+        "weightsync: colocated transfer",
+        "dist_sr/weightsync/ipc.py",
+        "group._mapped.pop(key, None)",
+        "pass",
+        (
+            "tests/weightsync/test_ipc.py::"
+            "test_a_killed_trainer_leaves_nothing_in_shm_and_the_engine_drops_its_buffer_at_once",
+        ),
+    ),
+    Mutant(
+        "http-returns-a-non-json-answer-as-text",
+        "rollout: vLLM control routes",
+        "dist_sr/rollout/vllm/control.py",
+        'raise MalformedReply(f"{where}: the answer is not JSON ({exc.msg}): {text[:200]!r}") from None',
+        'return {"text": text}',
+        (f"{T_CTRL}::test_every_reply_that_is_not_an_answer_names_the_engine_and_what_was_wrong[not-json]",),
+    ),
+    Mutant(
+        "http-lets-protocol-errors-through",
+        "rollout: vLLM control routes",
+        "dist_sr/rollout/vllm/control.py",
+        "except (HTTPException, ValueError) as exc:",
+        "except (KeyError,) as exc:",
+        (
+            f"{T_CTRL}::test_every_reply_that_is_not_an_answer_names_the_engine_and_what_was_wrong[banner]",
+            f"{T_CTRL}::test_every_reply_that_is_not_an_answer_names_the_engine_and_what_was_wrong[cut-short]",
+        ),
+    ),
+    Mutant(
+        "sync-retries-engines-that-do-not-answer",
+        "weightsync: fleet sync",
+        "dist_sr/weightsync/sync.py",
+        "if e.url in self.unanswered:",
+        "if False:",
+        (
+            "tests/weightsync/test_receiver_fleet.py::"
+            "test_engines_that_answer_badly_are_marked_down_with_url_and_reason_and_the_sync_goes_on",
+        ),
+    ),
+    Mutant(
+        "fan-out-keeps-engines-that-answer-badly",
+        "rollout: vLLM's own transfer engines",
+        "dist_sr/rollout/vllm/native.py",
+        "            self.down[url] = why",
+        "            pass",
+        (
+            "tests/rollout/test_vllm_native.py::"
+            "test_a_fan_out_client_marks_engines_that_answer_badly_down_and_goes_on_with_the_others",
+        ),
+    ),
 ]
 
 
@@ -702,6 +869,16 @@ SLOW = frozenset(
         "async-grpo-stream-not-routed",
         "latest-keeps-naming-the-refused-step",
         "skipped-share-unchecked",
+        # issue 43: a tiny model's snapshot chain, CLI processes, real receivers, a killed trainer
+        "materialize-writes-inside-the-snapshots",
+        "materialize-replaces-what-it-did-not-write",
+        "materialize-runs-do-not-take-turns",
+        "materialize-os-error-is-a-traceback",
+        "snapshot-version-not-compared-with-its-name",
+        "materialize-skips-the-kernels",
+        "ipc-segment-kept-after-every-engine-mapped-it",
+        "ipc-engine-keeps-a-dead-trainers-buffer",
+        "sync-retries-engines-that-do-not-answer",
     }
 )
 
