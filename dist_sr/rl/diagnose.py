@@ -3,9 +3,10 @@ learning rate, and does stochastic rounding fix it? Measured, not modelled.
 
 The checkpoint (a GGUF file, a Hugging Face directory, or ``smollm2``) is cast to BF16 as a run
 would start from it (``checkpoint.bf16_start``). From that start the same batches train it twice
-for ``steps`` real AdamW steps on FP32 shadows, through the precision switch a run uses
-(``apply_precision``): once with ``bf16`` (round-to-nearest) and once with ``bf16-sr`` (the keyed
-stochastic rounding of ``dist_sr.numerics``). The batches are supervised targets: the built-in
+for ``steps`` real AdamW steps on FP32 shadows with the project's optimizer wrapper
+(``ShadowAdamW``, one fused pass per step): once rounding as precision ``bf16`` does
+(round-to-nearest) and once as ``bf16-sr`` does (the keyed stochastic rounding of
+``dist_sr.numerics``). The batches are supervised targets: the built-in
 task's right answers in the model's chat format, or the user's ``{"prompt", "completion"}`` lines.
 
 Per parameter group (embeddings, attention, MLP, norms, head, other) and overall it reports:
@@ -38,8 +39,9 @@ from tqdm import tqdm
 
 from ..config import ConfigError
 from ..engines import training_device
+from ..optim import ShadowAdamW
 from ..optim.metrics import bf16_spacing
-from ..precision import PrecisionConfig, apply_precision
+from ..precision import PRECISION_REGISTRY
 from .checkpoint import bf16_start, source_note
 from .grpo import sequence_logits, token_logprobs
 from .model import load_pretrained
@@ -188,34 +190,61 @@ class _Histogram:
         return 10 ** ((idx + 0.5) * 10 / LOG_BINS)
 
 
-def _trajectory(model, precision: str, batches, lr: float, progress: bool, desc: str, first: bool):
-    """Train a copy of ``model`` (FP32 values on the BF16 grid) under ``precision`` on ``batches``.
-    Per parameter name: the BF16 weights and FP32 shadows after the last step, the BF16 elements
-    moved at each step, and (``first``) the step each element first moved (0: never)."""
+@dataclass
+class _ParamStats:
+    """One parameter after a trajectory: what the report needs, not the tensors (so a large model's
+    diagnosis holds one trajectory's state at a time)."""
+
+    numel: int
+    dot: float  # <W_k - W_0, S_k - S_0>
+    norm2: float  # <S_k - S_0, S_k - S_0>
+    moved: list[int]  # BF16 elements changed at each step
+    moved_once: int  # elements changed at any step
+    steps_to_move: _Histogram  # half the BF16 spacing at W_0 over the net FP32 drift per step
+
+
+def _trajectory(model, precision: str, batches, lr: float, progress: bool, desc: str) -> dict[str, _ParamStats]:
+    """Train a copy of ``model`` (FP32 values on the BF16 grid: W_0 = S_0) under ``precision`` on
+    ``batches`` and reduce each parameter to ``_ParamStats``."""
     device = training_device()  # a GPU when there is one: the same code for a large checkpoint
-    m = copy.deepcopy(model).to(device)
-    tp = apply_precision(m, PrecisionConfig(precision), torch.optim.AdamW, lr=lr, weight_decay=0.0)
-    triples = tp.optimizer.named_shadows()
+    m = copy.deepcopy(model).to(device)  # BF16 working weights; their FP32 shadows start equal
+    opt = ShadowAdamW(m.named_parameters(), lr=lr, weight_decay=0.0, mode=PRECISION_REGISTRY[precision].rounding)
+    triples = opt.named_shadows()
     prev = [w.detach().clone() for _, w, _ in triples]
-    first_move = [torch.zeros(w.shape, dtype=torch.int16) if first else None for _, w, _ in triples]
+    ever = [torch.zeros(w.shape, dtype=torch.bool, device=w.device) for _, w, _ in triples]
     moved: list[list[int]] = [[] for _ in triples]
-    for k, enc in enumerate(tqdm(batches, desc=desc, disable=not progress, leave=False), start=1):
+    for enc in tqdm(batches, desc=desc, disable=not progress, leave=False):
         loss = _loss(m, [t.to(device) for t in enc])
-        tp.zero_grad()
-        tp.backward(loss)
-        tp.clip_grad_norm_(1.0)
-        tp.step()
+        opt.zero_grad()
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
         for i, (_, w, _) in enumerate(triples):
             changed = prev[i].view(torch.int16) != w.detach().view(torch.int16)
             moved[i].append(int(changed.sum()))
-            fm = first_move[i]
-            if fm is not None:
-                fm[changed.cpu() & (fm == 0)] = k
+            ever[i] |= changed
             prev[i].copy_(w.detach())
-    return {
-        name: (prev[i].cpu(), s.detach().cpu().clone(), moved[i], first_move[i])
-        for i, (name, _, s) in enumerate(triples)
-    }
+    start = dict(model.named_parameters())
+    out = {}
+    steps = len(batches)
+    with torch.no_grad():
+        for i, (name, w, shadow) in enumerate(triples):
+            w0 = start[name].detach().to(device, torch.float32)
+            ds = (shadow - w0).double()
+            h = _Histogram()
+            drift = (shadow - w0).abs() / steps
+            half = bf16_spacing(w0) / 2
+            h.add(torch.where(drift > 0, half / drift, torch.full_like(drift, math.inf)).reshape(-1).cpu())
+            out[name] = _ParamStats(
+                numel=w0.numel(),
+                dot=float((ds * (w.double() - w0.double())).sum()),
+                norm2=float((ds * ds).sum()),
+                moved=moved[i],
+                moved_once=int(ever[i].sum()),
+                steps_to_move=h,
+            )
+    del m, opt, triples, prev, ever
+    return out
 
 
 def diagnose(
@@ -236,42 +265,32 @@ def diagnose(
     pairs = read_samples(samples) if samples is not None else None  # refused before minutes of loading
     start = bf16_start(checkpoint, cache_dir)
     model, tokenizer = load_pretrained(start)
-    model.train()
+    model.to(torch.bfloat16).train()  # exact: the start is on the BF16 grid; each trajectory copies it
     batches = [_encode(tokenizer, b) for b in make_batches(tokenizer, steps, batch, seed, pairs)]
     runs = {
-        short: _trajectory(model, precision, batches, lr, progress, f"diagnose {precision}", short == "rtn")
+        short: _trajectory(model, precision, batches, lr, progress, f"diagnose {precision}")
         for short, precision in MODES
     }
-    start_values = dict(model.named_parameters())  # FP32 values on the BF16 grid: W_0 and S_0 alike
-    names = list(runs["rtn"])
+    keys = [*GROUPS, "all"]
     groups = {g: GroupResult() for g in GROUPS}
-    sums = {g: {"dot": {"rtn": 0.0, "sr": 0.0}, "norm2": {"rtn": 0.0, "sr": 0.0}} for g in [*GROUPS, "all"]}
-    moved = {g: {"rtn": [0] * steps, "sr": [0] * steps} for g in [*GROUPS, "all"]}
-    once = {g: 0 for g in [*GROUPS, "all"]}
-    hist = {g: _Histogram() for g in [*GROUPS, "all"]}
+    dot = {g: {"rtn": 0.0, "sr": 0.0} for g in keys}
+    norm2 = {g: {"rtn": 0.0, "sr": 0.0} for g in keys}
+    moved = {g: {"rtn": [0] * steps, "sr": [0] * steps} for g in keys}
+    once = {g: 0 for g in keys}
+    hist = {g: _Histogram() for g in keys}
     absw: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
-    for name in names:
+    for name, p in model.named_parameters():
         g = group_of(name)
-        w0 = start_values[name].detach()
-        n = w0.numel()
+        groups[g].params += p.numel()
         for key in (g, "all"):
-            if key != "all":
-                groups[key].params += n
             for mode in ("rtn", "sr"):
-                w1, s1, per_step, _ = runs[mode][name]
-                ds = (s1 - w0).double()
-                sums[key]["dot"][mode] += float((ds * (w1.double() - w0.double())).sum())
-                sums[key]["norm2"][mode] += float((ds * ds).sum())
-                moved[key][mode] = [a + b for a, b in zip(moved[key][mode], per_step)]
-            once[key] += int((runs["rtn"][name][3] > 0).sum())
-        s1 = runs["rtn"][name][1]
-        drift = (s1 - w0).abs() / steps
-        half = bf16_spacing(w0.float()) / 2
-        h = _Histogram()
-        h.add(torch.where(drift > 0, half / drift, torch.full_like(drift, math.inf)).reshape(-1))
-        hist[g].merge(h)
-        hist["all"].merge(h)
-        flat = w0.float().abs().reshape(-1)
+                st = runs[mode][name]
+                dot[key][mode] += st.dot
+                norm2[key][mode] += st.norm2
+                moved[key][mode] = [a + b for a, b in zip(moved[key][mode], st.moved)]
+            once[key] += runs["rtn"][name].moved_once
+            hist[key].merge(runs["rtn"][name].steps_to_move)
+        flat = p.detach().float().abs().reshape(-1)
         absw[g].append(flat[:: max(1, flat.numel() // 200_000)])  # a strided sample for the median |w|
     total = sum(groups[g].params for g in GROUPS)
 
@@ -279,8 +298,7 @@ def diagnose(
         r.moved_by_step = {mode: [c / n for c in moved[key][mode]] for mode in ("rtn", "sr")}
         r.moved_per_step = {mode: sum(v) / len(v) for mode, v in r.moved_by_step.items()}
         r.reaches_bf16 = {
-            mode: (sums[key]["dot"][mode] / sums[key]["norm2"][mode] if sums[key]["norm2"][mode] > 0 else None)
-            for mode in ("rtn", "sr")
+            mode: (dot[key][mode] / norm2[key][mode] if norm2[key][mode] > 0 else None) for mode in ("rtn", "sr")
         }
         r.rtn_moved_once = once[key] / n
         r.rtn_steps_to_move_median = hist[key].median()

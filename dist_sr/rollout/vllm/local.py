@@ -23,12 +23,13 @@ SERVED_NAME = "policy"
 
 
 def _die_with_parent() -> None:
-    """In the engine's process: be killed when the trainer dies, even by SIGKILL (the OOM killer),
-    where no atexit runs (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    """In the engine's process: get SIGTERM when the trainer dies, even by SIGKILL (the OOM killer),
+    where no atexit runs (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing). SIGTERM, not SIGKILL: the
+    server then shuts its engine-core and worker processes down with it."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass
 
