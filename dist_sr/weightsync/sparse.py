@@ -147,6 +147,13 @@ class SparseExport:
         entries = add_rank_sums(sums, metas, self.world, self.group)
         return SparseSync(None if dense else [patch for _, patch in pending], entries, combine(entries))
 
+    def patches(self) -> list[SparsePatch] | None:
+        """``export()``'s pairs for a caller that delivers every export it takes (``delivered()``
+        implied; a refusal still leaves the held copies alone and makes the next call dense)."""
+        sync = self.export()
+        self.delivered()
+        return sync.patches
+
     def _holds(self, p) -> bool:
         held = self.held.get((p.name, p.start))
         return held is not None and held.numel() == p.end - p.start and held.dtype == p.bits.dtype

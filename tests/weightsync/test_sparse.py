@@ -217,3 +217,35 @@ def test_to_vllm_gives_vllms_own_sparse_patches():
     )
     r = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_patches_is_an_export_delivered_at_once_and_a_refusal_still_changes_no_held_copy():
+    g = torch.Generator().manual_seed(6)
+    model = _three_tensors()
+    export, peer, ways = SparseExport(ReplicatedSource(model)), {}, []
+
+    def sync():
+        patches = export.patches()
+        for n, p in model.named_parameters():
+            mine = [q for q in patches or [] if q.name == n]
+            peer[n] = p.detach().clone() if patches is None else _apply_like_the_peers(peer[n], mine)
+            assert torch.equal(peer[n].view(torch.int16), p.detach().view(torch.int16)), n
+        ways.append("dense" if patches is None else "pairs")
+
+    sync()
+    _sr_step(model, 1, g)
+    sync()
+    _sr_step(model, 2, g)
+    last = list(model.parameters())[-1]
+    saved = last.detach().clone()
+    with torch.no_grad():
+        last.view(-1)[0] = float("nan")
+    with pytest.raises(SparseUnsupported, match="NaN"):
+        export.patches()
+    peer.update({n: p.detach().clone() for n, p in model.named_parameters()})  # the dense sync asked for
+    with torch.no_grad():
+        last.copy_(saved)
+    for step in (3, 4):
+        _sr_step(model, step, g)
+        sync()
+    assert ways == ["dense", "pairs", "dense", "pairs"]
