@@ -266,17 +266,21 @@ def materialize(snapshot_dir: str | Path, out: str | Path) -> Materialized:
         target = _check_out(root, given)
     except OSError as exc:  # a path that cannot even be looked at
         raise _os_refusal(exc, Path(given)) from None
-    for why in cpu.warm_up():
-        log.info("snapshot: the torch path stands in for %s", why)
-    with _Turn(target):
-        try:
+    try:
+        if not _versions(root, "v"):
+            raise SnapshotError(f"no snapshot under {root} verifies: there is none yet")
+        for why in cpu.warm_up():
+            log.info("snapshot: the torch path stands in for %s", why)
+        with _Turn(target):
             tensors, index, m = _newest_provable(root, target)
-        except PermissionError as exc:
+            _staged_write(root / f"v{m.base}", index, tensors, target, m.version, m.digest)
+    except PermissionError as exc:
+        if exc.filename and Path(exc.filename).is_relative_to(root):
             raise SnapshotError(
-                f"cannot read {exc.filename or root}: {exc.strerror}; run materialize as a user who can read the "
+                f"cannot read {exc.filename}: {exc.strerror}; run materialize as a user who can read the "
                 "snapshot directory (engines mount it read-only)"
             ) from None
-        _staged_write(root / f"v{m.base}", index, tensors, target, m.version, m.digest)
+        raise _os_refusal(exc, target) from None
     for r in m.refused:
         log.warning("snapshot: %s", r)
     return m
