@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -73,10 +74,18 @@ class Engine:
             self.conn = None
 
     def close(self) -> None:
-        try:
-            self.call("quit")
-        except (OSError, EOFError, RuntimeError):
-            pass
+        """Ask the engine to quit, then kill it; an engine stuck in a command (a push whose trainer
+        died) gets 30 s, not a hang."""
+
+        def quit_():
+            try:
+                self.call("quit")
+            except (OSError, EOFError, RuntimeError):
+                pass
+
+        asking = threading.Thread(target=quit_, daemon=True)
+        asking.start()
+        asking.join(30)
         self.proc.kill()
         self.proc.wait()
 
