@@ -407,8 +407,8 @@ MUTANTS = [
         "engine-events-not-compared",
         "weightsync: verification",
         "dist_sr/weightsync/sync.py",
-        'return sorted([r.get("rank"), r.get("boot"), r.get("events")] for r in reports)',
-        'return sorted([r.get("rank"), r.get("boot")] for r in reports)',
+        'return sorted(([r.get("rank"), r.get("boot"), r.get("events")] for r in reports), key=repr)',
+        'return sorted(([r.get("rank"), r.get("boot")] for r in reports), key=repr)',
         (f"{T_AUTH}::test_the_trainer_sees_an_engine_that_changed_after_it_was_verified",),
     ),
     Mutant(
