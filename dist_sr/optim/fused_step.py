@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -35,33 +35,52 @@ def hyper_slots(
     return slots, hypers
 
 
+class FusedAdamWHost(Protocol):
+    """What an optimizer provides to take its steps through one fused ``AdamWPlan``
+    (``FusedAdamWSteps``): the two optimizers built on it are ``ShadowAdamW`` (FP32 shadows
+    behind BF16 weights) and ``AdamWSR`` (pure BF16).
+
+    Attributes:
+        seed, mode: the rounding key's seed and mode.
+        step_count: the key's step of the live weights (a plain step advances it).
+        _counter: the ``StepCounter`` behind ``step_count``; capturable, the step lives on the
+            device, so the step replays from a CUDA graph and every piece steps.
+        _group_of: each piece's param group, an int64 array in plan order.
+        _grad_scale: a device tensor from gradient clipping, used once by the next step, or None.
+        _fused_groups: the AdamW param groups (``lr``, ``betas``, ``eps``, ``weight_decay``).
+
+    Methods:
+        _ensure_plan(): the fused plan, rebuilt when any of its tensors was replaced.
+        _grads(): each piece's gradient, or None (plan order).
+        _advance_adam_steps(live): advance Adam's step of the pieces ``live`` (None: all) and
+            return every piece's, an int64 array.
+        _after_step(live): called after every step (``live`` as above).
+    """
+
+    seed: int
+    mode: str
+    step_count: int
+    _counter: StepCounter
+    _group_of: np.ndarray
+    _grad_scale: torch.Tensor | None
+
+    @property
+    def _fused_groups(self) -> list[dict]: ...
+
+    def _ensure_plan(self) -> AdamWPlan: ...
+    def _grads(self) -> list[torch.Tensor | None]: ...
+    def _advance_adam_steps(self, live: np.ndarray | None) -> np.ndarray: ...
+    def _after_step(self, live: np.ndarray | None) -> None: ...
+
+
 class FusedAdamWSteps:
-    """``step()`` for an optimizer that provides: ``_counter`` (a ``StepCounter``), ``seed``,
-    ``mode``, ``_fused_groups`` (its AdamW param groups), ``_group_of`` (each piece's group, an
-    int array), ``_ensure_plan()``, ``_grads()`` (each piece's gradient or None),
-    ``_advance_adam_steps(live)`` (advance Adam's step of pieces ``live``, None for all, and
-    return every piece's, an int64 array); optionally ``_grad_scale`` (a device tensor from
-    gradient clipping, used once) and ``_after_step(live)`` (``live`` as above). A capturable optimizer keys the step
-    on its device counter, so the step replays from a CUDA graph; every piece then steps."""
+    """``step()`` for an optimizer that is a ``FusedAdamWHost``: one kernel call for every
+    parameter with a gradient."""
 
     _grad_scale: torch.Tensor | None = None
 
-    if TYPE_CHECKING:  # what the optimizer provides (above)
-        _counter: StepCounter
-        seed: int
-        mode: str
-        step_count: int
-        _group_of: np.ndarray
-
-        @property
-        def _fused_groups(self) -> list[dict]: ...
-
-        def _ensure_plan(self) -> AdamWPlan: ...
-        def _grads(self) -> list[torch.Tensor | None]: ...
-        def _advance_adam_steps(self, live: np.ndarray | None) -> np.ndarray: ...
-
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self: FusedAdamWHost, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
