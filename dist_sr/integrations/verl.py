@@ -22,10 +22,19 @@ verl imports ``external_lib`` in every worker before it builds an engine
   verl's shards and restored on resume, checked against the optimizer's own step count.
 - ``EngineRegistry.new``: an actor this cannot round with the key is refused before it is built
   (FSDP1, Megatron and the other backends, LoRA, QAT, non-BF16 working weights, CPU offload policy).
+- after every weight sync, the engines' held weights are compared with the key, and dist-sr's
+  metrics go into verl's own (``verl_sync``: ``ActorRolloutRefWorker.update_weights``,
+  ``ServerAdapter.update_weights``, ``FSDPEngine.train_batch``).
 
 ``DIST_SR_MODE`` (``stochastic``, default, or ``dither``) and ``DIST_SR_SEED`` (overrides
 ``fsdp_config.seed``) reach the workers through ``+ray_kwargs.ray_init.runtime_env.env_vars``.
 The reference model (``forward_only``) and a critic are left as verl builds them.
+
+Without a seed of the user's (neither ``DIST_SR_SEED`` nor ``fsdp_config.seed`` other than verl's
+default 42), training goes on, keyed with 42, and rank 0 logs a warning naming the two ways to
+choose one; ``actor/dist_sr/seed`` is in verl's metrics either way. Not a refusal: any seed gives
+unbiased rounding, and 42 is a seed verl's users pass on purpose too; what a default costs is
+that runs keyed alike round alike, which a user comparing runs should know.
 """
 
 from __future__ import annotations
@@ -42,9 +51,11 @@ from ..engines import fsdp2
 from ..engines.fsdp2.hook import SRShadowParam
 from ..engines.fsdp2.source import FSDP2Source
 from ..numerics.key import check_mode, normalize_param_name
+from . import verl_sync
 
 log = logging.getLogger(__name__)
 MODE_ENV, SEED_ENV = "DIST_SR_MODE", "DIST_SR_SEED"
+VERL_DEFAULT_SEED = 42  # fsdp_config.seed when the user names none
 KEY_FILE = "dist_sr_key.json"  # beside verl's shards in global_step_N/actor/
 PATCHED = "__dist_sr__"
 
@@ -246,8 +257,17 @@ def enable() -> None:
         module._dist_sr_export = None
         ctx.masters_changed()  # verl loaded the full state dict into the shards
         self._dist_sr_ctx = ctx
+        verl_sync.actor_built(self, module)
         if self.rank == 0:
             log.info("dist-sr: keyed SR on the actor (seed %d, mode %s): %d parameters", seed, mode, len(ctx.names))
+            if not os.environ.get(SEED_ENV, "").strip() and seed == VERL_DEFAULT_SEED:
+                log.warning(
+                    "dist-sr: the rounding key's seed is %d, verl's default fsdp_config.seed: every run keyed "
+                    "alike unless you choose one (actor_rollout_ref.actor.fsdp_config.seed=<n>, or %s in the "
+                    "workers' environment); verl's metrics show it as actor/dist_sr/seed",
+                    seed,
+                    SEED_ENV,
+                )
         return module
 
     def _build_optimizer(self, module):
@@ -310,6 +330,7 @@ def enable() -> None:
                 "step cannot be restored"
             )
         ctx.masters_changed()
+        verl_sync.actor_built(self, self.module)
         return result
 
     registry.new = classmethod(checked_new)
@@ -323,6 +344,7 @@ def enable() -> None:
     ):
         setattr(fn, PATCHED, True)
         setattr(engine_cls, name, fn)
+    verl_sync.enable(engine_cls)
 
 
 enable()
