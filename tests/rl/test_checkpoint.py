@@ -87,7 +87,9 @@ def test_the_shipped_smollm2_gguf_loads_as_the_135m_llama_with_its_chat_template
     assert c.tie_word_embeddings and sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=1e-3)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(weights, weights.to(torch.bfloat16).float())  # the start is on the BF16 grid
-    assert weights.abs().median().item() == pytest.approx(0.128, rel=0.05)
+    # half a BF16 spacing at the median weight (|w| 2^-9 ~ 2e-4) is ~200 AdamW steps at lr 1e-6:
+    # the regime where round-to-nearest from the grid sticks
+    assert weights.abs().median().item() * 2**-9 > 100 * 1e-6
     prompt = chat_prompt(tokenizer, "What is 3 + 4? Answer with the number only.")
     assert "system" not in prompt and prompt.startswith("<|im_start|>user\n")  # no default system prompt
     assert len(tokenizer(prompt)["input_ids"]) <= 30
