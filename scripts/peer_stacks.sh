@@ -7,8 +7,9 @@
 # 0.24.0, 0.29.0 (the peers' environments) and 0.32.0 (the suite's .venv-vllm).
 #   bash scripts/peer_stacks.sh                  # everything (about an hour on 2 cores, most of it engines)
 #   PEER_STACKS="verl openrlhf" bash scripts/peer_stacks.sh
-# One line per stack: "peer-stack: <name> <version>: passed in N s", then the total. Not part of CI
-# (its 90 minutes): run it before changing an integration or widening a version.
+# One line per stack: "peer-stack: <name> <version>: passed in N s", then the total; for a peer, also
+# what its loop test saw of the engine check (read from the JSON it writes, DIST_SR_PEER_RESULTS).
+# Not part of CI (its 90 minutes): run it before changing an integration or widening a version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STACKS=${PEER_STACKS-"verl openrlhf vllm-0.24.0 vllm-0.29.0 vllm-0.32.0"}
@@ -83,13 +84,36 @@ report() {  # name version start rc
   [ "$4" = 0 ] || { r=FAILED; status=1; }
   echo "peer-stack: $1 $2: $r in $(( $(date +%s) - $3 )) s"
 }
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+observed() {  # name version results.json: the engine check as the peer's own loop test saw it
+  "$python" - "$@" <<'PY' || status=1
+import json, sys
+from pathlib import Path
+name, version, path = sys.argv[1:4]
+if not Path(path).is_file() or not Path(path).stat().st_size:
+    print(f"peer-stack: {name} {version}: engine check: NOT OBSERVED (its loop test did not pass)")
+    sys.exit(1)
+r = json.loads(Path(path).read_text())
+c = r["engine_check"]
+print(
+    f"peer-stack: {name} {version}: engine check through {name}'s own worker extension (load format "
+    f"{r['load_format']}): passed ({r['extension'].rpartition('.')[2]}; {c['engines']} engines, each "
+    f"{c['read_back']} tensors read back, {c['as_loaded']} only as loaded)"
+)
+print(f"peer-stack: {name} {version}: FP32 master pushed for {r['master_caught']['tensor']}: caught")
+PY
+}
 for stack in $STACKS; do
   case $stack in
     verl)
       setup_verl
       start=$(date +%s); rc=0
-      DIST_SR_PEER_STACK=verl .venv-peer-verl/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_verl.py || rc=$?
-      report verl "$(.venv-peer-verl/bin/python -c 'import verl; print(verl.__version__)')" "$start" $rc ;;
+      DIST_SR_PEER_STACK=verl DIST_SR_PEER_RESULTS="$results/verl.json" .venv-peer-verl/bin/python -m pytest -q \
+        -p no:cacheprovider tests/peers/test_verl.py || rc=$?
+      version=$(.venv-peer-verl/bin/python -c 'import verl; print(verl.__version__)')
+      report verl "$version" "$start" $rc
+      observed verl "$version" "$results/verl.json" ;;
     openrlhf)
       setup_openrlhf
       start=$(date +%s); rc=0

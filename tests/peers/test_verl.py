@@ -291,6 +291,7 @@ def _loop_worker(rank, world, model_dir, engines, job, out_dir):
     from dist_sr.integrations.verl_sync import ask_engine, check_colocated
     from dist_sr.rollout.vllm.check import WAITING, HeldWeightsMismatch
     from tests.peers import verl_ray
+    from tests.peers.verl_extension import Extension
 
     worker = actor_rollout(model_dir, job)
     engine = worker.actor.engine
@@ -324,6 +325,8 @@ def _loop_worker(rank, world, model_dir, engines, job, out_dir):
     tensors = read_back + as_loaded
     assert read_back and as_loaded and tensors == len(engine._dist_sr_ctx.names)
     seen["engine_check"] = {"engines": world, "read_back": read_back, "as_loaded": as_loaded}
+    (base,) = Extension.__bases__  # what the engines run: verl's own extension, CPU stand-ins aside
+    seen["extension"] = f"{base.__module__}.{base.__qualname__}"
 
     # the next update reports that sync (the weights its rollouts came from)
     metrics = tu.get(worker.update_actor(ppo_batch(1, rank)), "metrics")
