@@ -101,9 +101,12 @@ class EngineProcess:
         )
 
     def wait_ready(self, timeout: float = 400):
+        """Self once ``/health`` answers; otherwise the engine's process group is stopped (a caller
+        that never got the engine cannot stop it: it would outlive the test) and the error raised."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # the API server's workers may outlive it
                 raise RuntimeError(
                     f"engine {self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
                 )
@@ -112,6 +115,7 @@ class EngineProcess:
                     return self
             except OSError:
                 time.sleep(1)
+        self.stop()
         raise TimeoutError(f"engine {self.name} not ready after {timeout}s:\n{self.log.read_text()[-4000:]}")
 
     def signal(self, sig):
