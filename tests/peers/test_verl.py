@@ -425,3 +425,74 @@ def test_verls_own_loop_keeps_every_dummy_started_vllm_024_engine_checked_agains
     if os.environ.get(RESULTS_ENV):  # for scripts/peer_stacks.sh: what this run saw
         observed = json.loads((tmp_path / "observed.json").read_text())
         Path(os.environ[RESULTS_ENV]).write_text(json.dumps({"load_format": "dummy", **observed}))
+
+
+class _Transport:
+    """The trainer side of a checkpoint engine (``nccl``, ``nixl``: GPU-only transports) as far as
+    the stream goes: ``send_weights`` consumes verl's export on every rank (rank 0 would send
+    each bucket)."""
+
+    async def send_weights(self, weights, global_steps=None):
+        for _ in weights if hasattr(weights, "__iter__") else ():  # delta_sharded hands the engine itself
+            pass
+
+
+@contextlib.contextmanager
+def export_hook_hands_master(name: str):
+    """A fault inside the export: the state dict verl exports from holds ``name``'s FP32 master
+    instead of its keyed bits (as if its SR wrapping were lost), so verl's exporter gathers it."""
+    from torch.distributed.tensor import DTensor
+
+    from dist_sr.engines.fsdp2.hook import plain
+    from dist_sr.engines.fsdp2.source import FSDP2Source
+
+    working = FSDP2Source.working
+
+    def faulty(self, n, params=None):
+        if n != name:
+            return working(self, n, params)
+        p = (self.params if params is None else params)[n]
+        return DTensor.from_local(plain(p.to_local()), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+    FSDP2Source.working = faulty
+    try:
+        yield
+    finally:
+        FSDP2Source.working = working
+
+
+def _checkpoint_engine_worker(rank, world, model_dir, job):
+    """verl's ``update_weights`` through a checkpoint engine, on the trainer: what verl's exporter
+    gathered is compared with the key; the rollout side must be set up to check its engines."""
+    from dist_sr.rollout.vllm.check import HeldWeightsMismatch
+
+    worker = actor_rollout(model_dir, job)
+    worker.checkpoint_engine = _Transport()
+    engine = worker.actor.engine
+    worker.update_actor(ppo_batch(0, rank))  # the masters leave the BF16 grid: a master is not the keyed bits
+    run = asyncio.new_event_loop().run_until_complete
+
+    with pytest.raises(HeldWeightsMismatch, match=r"custom_backend_module=dist_sr\.integrations\.verl"):
+        run(worker.update_weights(global_steps=1, mode="nccl"))  # the rollout side would check nothing
+    worker.config.rollout.checkpoint_engine.custom_backend_module = SWITCH
+    run(worker.update_weights(global_steps=2, mode="nccl"))
+    check = engine._dist_sr_last_sync
+    assert check.ok and check.path == "checkpoint engine (nccl)", check.summary()
+    assert check.metrics() == {"dist_sr/tensors_differ": 0.0}
+
+    with export_hook_hands_master(Q), pytest.raises(HeldWeightsMismatch) as caught:
+        run(worker.update_weights(global_steps=3, mode="nccl"))
+    assert Q in str(caught.value) and "exporter sent other bits" in str(caught.value), caught.value
+    assert [p.tensor for p in engine._dist_sr_last_sync.export] == [Q]
+
+    with pytest.raises(HeldWeightsMismatch, match="deltas"):
+        run(worker.update_weights(global_steps=4, mode="delta_sharded"))
+
+
+def test_a_checkpoint_engine_sync_compares_verls_export_with_the_key_on_the_trainer(tmp_path):
+    """verl's ``ActorRolloutRefWorker.update_weights`` with a checkpoint engine (``nccl``; its
+    transport stood in): the export passes; one tensor gathered as its FP32 master stops the step
+    naming it; a run whose rollout side would not check its engines (no
+    ``custom_backend_module``) and ``delta_sharded`` (deltas, not tensors) stop, saying why."""
+    model_dir = save_tiny_model(tmp_path / "model")
+    run_workers(_checkpoint_engine_worker, 2, str(model_dir), "dist-sr-ckpt")
