@@ -52,11 +52,21 @@ class TrainingEngine(Protocol):
     """What the trainer asks of a training engine (``single``, ``fsdp2``, ``deepspeed``), built
     from ``TrainSettings`` and the model. Every method is called on every rank.
 
+    Class attributes (what configs, launchers and renderers ask of an engine, never its name):
+        needs_process_group: whether it runs under a launcher's process group (``init_distributed``
+            joins it first; ranks shard the work). False: one process, world size 1.
+        reads_deepspeed_json: whether a DeepSpeed JSON (``--deepspeed_config``,
+            ``distributed.deepspeed_config``) configures it.
+        trains_pure_bf16: whether it trains without FP32 masters (precision ``bf16-pure-sr``).
+
+    Class methods:
+        check_world(distributed, world): raise ``ConfigError`` for a world size this engine cannot
+            run with ``distributed`` (a ``DistributedConfig``), before any process group exists.
+
     Attributes:
         module: the model whose forward the trainer runs (the working weights).
         rank, world: this process in the engine's group.
         meter: a ``StickingMeter`` for the precision's metrics, or None.
-        needs_process_group: whether ``init_distributed`` must join a launcher's group first.
 
     Methods:
         backward(loss): gradients of ``loss`` (scaled if the precision scales losses).
@@ -76,6 +86,11 @@ class TrainingEngine(Protocol):
     world: int
     meter: StickingMeter | None
     needs_process_group: bool
+    reads_deepspeed_json: bool
+    trains_pure_bf16: bool
+
+    @classmethod
+    def check_world(cls, distributed: DistributedConfig, world: int) -> None: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 

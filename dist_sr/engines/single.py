@@ -10,16 +10,31 @@ from pathlib import Path
 import torch
 
 from .. import faults
+from ..config import ConfigError
 from ..optim import optimizer_class
 from ..precision import apply_precision
 from ..sources import ReplicatedSource, WeightSource
 from .base import TrainSettings
 from .checkpoints import REFUSED, CheckpointCorrupt, quarantine, state_digest
+from .registry import engine_class, engine_names
 
 
 class SingleEngine:
+    """One process: the precision switch applied to the model and its optimizer in place."""
+
     needs_process_group = False
+    reads_deepspeed_json = False
+    trains_pure_bf16 = True
     rank, world = 0, 1
+
+    @classmethod
+    def check_world(cls, distributed, world: int) -> None:
+        if world > 1:
+            sharded = ", ".join(n for n in engine_names() if engine_class(n).needs_process_group)
+            raise ConfigError(
+                f"the launcher started {world} processes but the engine is 'single', which would train "
+                f"{world} independent copies; set distributed.engine ({sharded}) or pass --engine"
+            )
 
     def __init__(self, settings: TrainSettings, model: torch.nn.Module):
         self.precision = apply_precision(

@@ -30,9 +30,8 @@ import torch.distributed as dist
 import yaml
 
 from ..config import ConfigError, Refusal, parse_overrides
-from ..engines import engine_names, init_distributed
+from ..engines import engine_class, engine_names, init_distributed
 from ..engines.deepspeed.config import hyperparameter_conflicts, precision_of_config, shared_hyperparameters
-from ..engines.fsdp2.config import FSDP2Config
 from ..net import free_port
 from ..rl.config import ExperimentConfig, load_experiment
 from ..rl.trainer import train
@@ -159,16 +158,11 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
 
     engine = args.engine or cfg.distributed.engine
     if args.deepspeed_config:
-        if args.engine not in (None, "deepspeed") or (args.engine is None and cfg.distributed.engine == "fsdp2"):
-            raise ConfigError(
-                f"--deepspeed_config was given but the engine is {engine!r}: a DeepSpeed JSON "
-                "only drives distributed.engine=deepspeed (drop it, or use --engine deepspeed)"
-            )
-        engine = "deepspeed"
+        engine = _deepspeed_json_engine(args.engine, cfg.distributed.engine)
     if engine != cfg.distributed.engine:
         overrides["distributed.engine"] = engine
         cfg = load_experiment(source, overrides)
-    if engine == "deepspeed" and cfg.distributed.deepspeed_config:
+    if engine_class(engine).reads_deepspeed_json and cfg.distributed.deepspeed_config:
         cfg = _agree_on_precision(args, cfg, overrides)
         cfg = _agree_on_hyperparameters(args, cfg, overrides)
 
@@ -179,17 +173,7 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
     local_rank = _int_env(env, "LOCAL_RANK")
     if local_rank is None:
         local_rank = args.local_rank if args.local_rank is not None else 0
-    if engine == "single" and world > 1:
-        raise ConfigError(
-            f"the launcher started {world} processes but the engine is 'single', which would train "
-            f"{world} independent copies; set distributed.engine (deepspeed or fsdp2) or "
-            "pass --engine"
-        )
-    if engine == "fsdp2":
-        try:
-            FSDP2Config.from_dict(cfg.distributed.fsdp2).check_world(world)
-        except ValueError as exc:
-            raise ConfigError(f"distributed.{exc}") from None
+    engine_class(engine).check_world(cfg.distributed, world)
     g = cfg.grpo
     if g.prompts_per_step % world:
         raise ConfigError(
@@ -204,6 +188,23 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
     if backend == "nccl" and not cuda:
         raise ConfigError("--backend nccl needs CUDA, and this process sees no GPU; use --backend gloo (or auto)")
     return Plan(cfg, engine, backend, world, rank, local_rank, launched)
+
+
+def _deepspeed_json_engine(asked: str | None, configured: str) -> str:
+    """The engine a ``--deepspeed_config`` implies: the one that reads DeepSpeed JSON, unless the
+    command line or the config chose another on purpose (a launched engine; one process is the
+    default, not a choice)."""
+    readers = [n for n in engine_names() if engine_class(n).reads_deepspeed_json]
+    chosen = asked if asked is not None else configured
+    chose_other = asked is not None or engine_class(configured).needs_process_group
+    if chosen in readers:
+        return chosen
+    if chose_other or len(readers) != 1:
+        raise ConfigError(
+            f"--deepspeed_config was given but the engine is {chosen!r}: a DeepSpeed JSON only drives "
+            f"distributed.engine={' or '.join(readers)} (drop it, or use --engine {readers[0] if readers else '?'})"
+        )
+    return readers[0]
 
 
 def _agree_on_precision(args, cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
@@ -292,7 +293,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     if args.dry_run:
         return 0
     os.environ["LOCAL_RANK"] = str(p.local_rank)  # DeepSpeed reads it from the environment
-    if p.engine != "single" and not p.launched:
+    if engine_class(p.engine).needs_process_group and not p.launched:
         # A plain process running a distributed engine: a world of one on loopback.
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..cluster import ClusterConfig
 from ..config import ConfigError, from_dict, load_document
-from ..engines import DistributedConfig
+from ..engines import DistributedConfig, engine_class, engine_names
 from ..optim import OPTIMIZERS
 from ..precision import PrecisionConfig
 from ..rollout.config import RolloutConfig
@@ -190,12 +190,14 @@ class ExperimentConfig:
         spec = self.precision.spec
         if self.shadow_jitter and not spec.shadows:
             raise ConfigError("shadow_jitter needs FP32 shadows: precision fp16, bf16, bf16-sr or bf16-dither")
-        if self.shadow_jitter and self.distributed.engine != "single":
+        engine = engine_class(self.distributed.engine)
+        if self.shadow_jitter and engine.needs_process_group:
             raise ConfigError("shadow_jitter is a single-process control run; use distributed.engine=single")
-        if spec.pure and self.distributed.engine == "deepspeed":
+        if spec.pure and not engine.trains_pure_bf16:
+            pure = ", ".join(n for n in engine_names() if engine_class(n).trains_pure_bf16)
             raise ConfigError(
-                f"precision {spec.name} keeps no FP32 master, which DeepSpeed always shards; "
-                "use bf16-sr with DeepSpeed, or distributed.engine=fsdp2 or single"
+                f"precision {spec.name} keeps no FP32 master, which distributed.engine={self.distributed.engine} "
+                f"always keeps; use bf16-sr with it, or distributed.engine {pure}"
             )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, Refusal
+from ..engines import engine_class
 from ..engines.checkpoints import manifest_key
 from ..weightsync import auth
 from .checkpoint import SMOLLM2, resolve
@@ -158,7 +159,8 @@ def check_memory(cfg: ExperimentConfig, footprint: Footprint, available: tuple[i
 def preflight(cfg: ExperimentConfig, out_dir: Path) -> Footprint:
     """Every check that can run before compute (each rank runs them); returns the footprint."""
     check_secrets(cfg)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1) if cfg.distributed.engine != "single" else 1
+    sharded = engine_class(cfg.distributed.engine).needs_process_group
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1) if sharded else 1
     footprint = Footprint(count_parameters(cfg), bytes_per_param(cfg), world)
     check_memory(cfg, footprint)
     check_run_dir(out_dir, footprint.checkpoint)

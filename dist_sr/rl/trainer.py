@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import ConfigError, Refusal
-from ..engines import TrainSettings, init_distributed, training_device
+from ..engines import TrainSettings, engine_class, init_distributed, training_device
 from ..engines import make_engine as make_training_engine
 from ..optim import ShadowOptimizer
 from ..optim.metrics import bf16_spacing
@@ -131,7 +131,7 @@ class GRPORun:
         self.out_dir = out_dir = Path(cfg.output_dir)
         preflight(cfg, out_dir)  # secrets, run directory, memory: before any compute
         init_distributed(cfg.distributed.engine)
-        self.sharded = cfg.distributed.engine != "single"
+        self.sharded = engine_class(cfg.distributed.engine).needs_process_group
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.sharded else (0, 1)
         rank, world = self.rank, self.world
         rundir.claim(out_dir, cfg, resume=resume, overwrite=overwrite, rank=rank, world=world)

@@ -24,6 +24,12 @@ class DeepSpeedEngine:
     """DeepSpeed ZeRO; the precision switch sets its bf16/fp16 sections and the SR block."""
 
     needs_process_group = True
+    reads_deepspeed_json = True
+    trains_pure_bf16 = False  # DeepSpeed always keeps (and shards) an FP32 master
+
+    @classmethod
+    def check_world(cls, distributed, world: int) -> None:
+        """Any world: DeepSpeed pads its partitions to it."""
 
     def __init__(self, settings: TrainSettings, model):
         d = settings.distributed

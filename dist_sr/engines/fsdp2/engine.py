@@ -29,6 +29,15 @@ class FSDP2Engine:
     """FSDP2 with the precision switch applied through ``apply_fsdp2`` (SR in the all-gather)."""
 
     needs_process_group = True
+    reads_deepspeed_json = False
+    trains_pure_bf16 = True  # BF16 shards stepped by AdamWSR
+
+    @classmethod
+    def check_world(cls, distributed, world: int) -> None:
+        try:
+            distributed.fsdp2.check_world(world)
+        except ValueError as exc:
+            raise ConfigError(f"distributed.{exc}") from None
 
     def __init__(self, settings: TrainSettings, model):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
