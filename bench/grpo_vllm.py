@@ -59,6 +59,7 @@ from dist_sr.rl.metrics import read_metrics  # noqa: E402
 from dist_sr.rl.trainer import train  # noqa: E402
 from dist_sr.rl.warmup import warmup_checkpoint  # noqa: E402
 from dist_sr.rollout.base import register_rollout_engine, rollout_engine_names  # noqa: E402
+from dist_sr.rollout.vllm.engine import VLLMFleetEngine  # noqa: E402
 from dist_sr.sources import LocalPiece, Meta  # noqa: E402
 from tests.vllm_engines import EngineProcess, vllm_missing  # noqa: E402
 
@@ -101,17 +102,16 @@ class MastersNearestSource:
         return {n: self.masters[n].to(torch.bfloat16) for n in names}
 
 
-def masters_nearest_fleet(config, trainer, tokenizer, *, device, sharded: bool):
+class MastersNearestFleet(VLLMFleetEngine):
     """The vLLM fleet engine of ``rollout.vllm``, fed ``MastersNearestSource`` instead of the
     trainer's working weights (one process, a precision with FP32 masters)."""
-    from dist_sr.rollout.vllm.engine import VLLMFleetEngine
 
-    optimizer = getattr(trainer.precision, "optimizer", None)
-    if sharded or optimizer is None or not hasattr(optimizer, "_pairs"):
-        raise ValueError(f"{MASTERS_NEAREST}: one process with FP32 masters (bf16-sr, distributed.engine single)")
-    return VLLMFleetEngine.from_config(
-        config.vllm, trainer, tokenizer, device=device, source=MastersNearestSource(optimizer)
-    )
+    @classmethod
+    def build(cls, config, trainer, tokenizer, *, device, sharded: bool, source=None):
+        optimizer = getattr(trainer.precision, "optimizer", None)
+        if sharded or optimizer is None or not hasattr(optimizer, "_pairs"):
+            raise ValueError(f"{MASTERS_NEAREST}: one process with FP32 masters (bf16-sr, distributed.engine single)")
+        return cls.from_config(config.vllm, trainer, tokenizer, device=device, source=MastersNearestSource(optimizer))
 
 
 # --smoke: two warm-up steps cached apart from the real start checkpoint, a small evaluation
@@ -204,7 +204,7 @@ def main() -> None:
         sys.exit(f"grpo_vllm: {vllm_missing()}")
     os.environ.setdefault("DIST_SR_SYNC_SECRET", secrets.token_hex(32))  # this run's trainer and engines
     if MASTERS_NEAREST not in rollout_engine_names():
-        register_rollout_engine(MASTERS_NEAREST, masters_nearest_fleet)
+        register_rollout_engine(MASTERS_NEAREST, MastersNearestFleet)
     start = warmup_checkpoint(arm_config(args, "bf16-sr", "none", "vllm", "http://unused", Path(args.out)))
     arms = [a for a in ARMS if not args.arms or a[0] in args.arms]
     if args.arms and len(arms) != len(args.arms):

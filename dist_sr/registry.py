@@ -20,6 +20,12 @@ from .config import Refusal
 T = TypeVar("T")
 
 
+def resolve(reference: str):
+    """The object a ``"module:attribute"`` reference names (the module imported if it was not)."""
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 class UnknownName(Refusal, KeyError, ValueError):
     """A name no entry of a registry has (the message lists the registered ones)."""
 
@@ -56,8 +62,7 @@ class Registry(Mapping, Generic[T]):
         except (KeyError, TypeError):
             raise UnknownName(f"unknown {self.kind} {name!r}; choose one of {', '.join(self._entries)}") from None
         if isinstance(entry, str):  # lazy: import it now, once
-            module, _, attribute = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attribute)
+            entry = resolve(entry)
             self._entries[name] = entry
         return entry
 

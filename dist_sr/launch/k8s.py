@@ -8,8 +8,9 @@
   ``<name>-trainer-<i>.<name>-trainer``, and index 0 is the rendezvous host;
 - ``trainer-job.yaml``: an Indexed Job, one pod per node, node rank = completion index, each
   running ``torchrun``/``deepspeed`` on ``launch/train.py``;
-- with ``rollout.engine: vllm``: ``vllm-service.yaml`` + ``vllm-statefulset.yaml`` (the fleet,
-  one ``vllm serve`` per pod, its control routes behind the sync secret's signature check);
+- with a rollout engine that runs as pods of its own, what its renderer adds (``FleetManifests``;
+  ``rollout.engine: vllm``: ``vllm-service.yaml`` + ``vllm-statefulset.yaml``, one ``vllm serve``
+  per pod, its control routes behind the sync secret's signature check, ``k8s_vllm.py``);
 - ``networkpolicy.yaml``: every pod of the job denies all traffic except what it needs (see
   ``network_policies``);
 - ``kustomization.yaml``, so ``kubectl apply -k DIR`` applies the set;
@@ -26,14 +27,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from ..config import ConfigError, parse_overrides
+from ..engines import engine_class
+from ..registry import resolve
 from ..rl.config import ExperimentConfig, load_experiment, to_dict
+from ..rollout import rollout_engine_class
 from ..weightsync import auth
 from .planner import build_parser, config_source, plan
 
@@ -43,10 +47,9 @@ SECRET_FILE = "sync-secret.yaml"
 DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
 WORKDIR = "/opt/dist-sr"  # the image's checkout (docker/Dockerfile)
 ENTRY = "launch/train.py"
-HTTP_PORT_NAME = "http"
 
 
-def _labels(cfg: ExperimentConfig, component: str) -> dict:
+def labels(cfg: ExperimentConfig, component: str) -> dict:
     return {
         "app.kubernetes.io/name": "dist-sr",
         "app.kubernetes.io/instance": cfg.cluster.name,
@@ -54,8 +57,8 @@ def _labels(cfg: ExperimentConfig, component: str) -> dict:
     }
 
 
-def _meta(cfg: ExperimentConfig, name: str, component: str) -> dict:
-    return {"name": name, "namespace": cfg.cluster.namespace, "labels": _labels(cfg, component)}
+def meta(cfg: ExperimentConfig, name: str, component: str) -> dict:
+    return {"name": name, "namespace": cfg.cluster.namespace, "labels": labels(cfg, component)}
 
 
 def names(cfg: ExperimentConfig) -> dict:
@@ -72,19 +75,42 @@ def names(cfg: ExperimentConfig) -> dict:
     }
 
 
-def fleet_urls(cfg: ExperimentConfig) -> list[str]:
-    """The engines' base URLs: one per StatefulSet pod, by its stable DNS name."""
-    nm, f = names(cfg), cfg.rollout.vllm
-    return [f"http://{nm['vllm']}-{i}.{nm['vllm']}:{f.port}" for i in range(f.replicas)]
-
-
 def master_addr(cfg: ExperimentConfig) -> str:
     nm = names(cfg)
     return f"{nm['trainer']}-0.{nm['trainer']}"
 
 
-def snapshot_dir(cfg: ExperimentConfig) -> str:
-    return f"{cfg.cluster.data_dir}/snapshots/{cfg.cluster.name}"
+@dataclass(frozen=True)
+class FleetManifests:
+    """What a rollout engine that runs as pods of its own (``RolloutEngine.remote``, rendered by
+    its ``kubernetes`` function) adds to the job: values for its part of the ``rollout`` config as
+    the trainer's pods must see it (section -> fields: the engines' URLs by DNS name, ...), the
+    ports the trainer pods open for it (name, port), and its files (file name -> objects: its
+    Services and workloads, its pods labelled component ``rollout``, which the network policies
+    let reach the trainer and each other)."""
+
+    rollout_config: dict[str, dict]
+    trainer_ports: list[tuple[str, int]]
+    files: dict[str, list[dict]]
+
+
+def fleet(cfg: ExperimentConfig) -> FleetManifests | None:
+    """The rollout engine's own manifests, or None for an engine that runs inside the trainer."""
+    engine = rollout_engine_class(cfg.rollout.engine)
+    if engine.kubernetes is None:
+        if engine.remote:
+            raise ConfigError(
+                f"rollout.engine={cfg.rollout.engine!r} runs as processes of its own but has no Kubernetes "
+                "renderer (its class's kubernetes attribute); render its pods yourself, or pick another engine"
+            )
+        return None
+    return resolve(engine.kubernetes)(cfg)
+
+
+def trainer_ports(cfg: ExperimentConfig) -> list[tuple[str, int]]:
+    """(name, port) the trainer pods open: the rendezvous, then what the rollout fleet needs."""
+    parts = fleet(cfg)
+    return [("rendezvous", cfg.cluster.master_port), *(parts.trainer_ports if parts is not None else [])]
 
 
 def cluster_config(cfg: ExperimentConfig) -> tuple[dict, dict | None]:
@@ -95,14 +121,13 @@ def cluster_config(cfg: ExperimentConfig) -> tuple[dict, dict | None]:
     data["output_dir"] = f"{c.data_dir}/runs/{c.name}"
     data["warmup"]["cache_dir"] = f"{c.data_dir}/cache"
     ds = None
-    if cfg.distributed.engine == "deepspeed" and cfg.distributed.deepspeed_config:
+    if engine_class(cfg.distributed.engine).reads_deepspeed_json and cfg.distributed.deepspeed_config:
         ds = json.loads(Path(cfg.distributed.deepspeed_config).read_text())
         data["distributed"]["deepspeed_config"] = f"{CONFIG_MOUNT}/deepspeed.json"
-    if cfg.rollout.engine == "vllm":
-        fleet = data["rollout"]["vllm"]
-        fleet["urls"] = fleet_urls(cfg)
-        fleet["group_host"] = master_addr(cfg)
-        fleet["snapshot_dir"] = snapshot_dir(cfg)
+    parts = fleet(cfg)
+    if parts is not None:
+        for section, values in parts.rollout_config.items():
+            data["rollout"][section].update(values)
     return data, ds
 
 
@@ -132,7 +157,7 @@ def trainer_command(cfg: ExperimentConfig) -> list[str]:
     return launcher + [ENTRY, "--config", f"{CONFIG_MOUNT}/experiment.yaml", "--resume-or-start", "--no-progress"]
 
 
-def _volumes(cfg: ExperimentConfig, *, data_read_only: bool = False) -> tuple[list, list]:
+def volumes(cfg: ExperimentConfig, *, data_read_only: bool = False) -> tuple[list, list]:
     """Config, data volume, shared memory and the sync secret (a file, never an env value).
     Engines mount the data volume read-only: they read snapshots, and must not be able to plant
     files the trainer loads."""
@@ -159,13 +184,13 @@ def sync_secret(cfg: ExperimentConfig, value: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(cfg, names(cfg)["secret"], "secret"),
+        "metadata": meta(cfg, names(cfg)["secret"], "secret"),
         "type": "Opaque",
         "stringData": {"secret": value},
     }
 
 
-def _resources(cpu: str, memory: str, gpus: int) -> dict:
+def resources(cpu: str, memory: str, gpus: int) -> dict:
     res = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
     if gpus:
         res["requests"]["nvidia.com/gpu"] = gpus
@@ -175,7 +200,7 @@ def _resources(cpu: str, memory: str, gpus: int) -> dict:
 
 def trainer_job(cfg: ExperimentConfig) -> dict:
     c, nm = cfg.cluster, names(cfg)
-    volumes, mounts = _volumes(cfg)
+    vols, mounts = volumes(cfg)
     env = [
         {
             "name": "NODE_RANK",
@@ -189,9 +214,7 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
     ]
     if not c.gpus_per_node:
         env.append({"name": "DS_ACCELERATOR", "value": "cpu"})
-    ports = [{"name": "rendezvous", "containerPort": c.master_port}]
-    if cfg.rollout.engine == "vllm":
-        ports.append({"name": "weight-group", "containerPort": cfg.rollout.vllm.group_port})
+    ports = [{"name": name, "containerPort": port} for name, port in trainer_ports(cfg)]
     container = {
         "name": "trainer",
         "image": c.image,
@@ -200,12 +223,12 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
         "env": env,
         "ports": ports,
         "volumeMounts": mounts,
-        "resources": _resources(c.cpu_per_node, c.memory_per_node, c.gpus_per_node),
+        "resources": resources(c.cpu_per_node, c.memory_per_node, c.gpus_per_node),
     }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _meta(cfg, nm["trainer"], "trainer"),
+        "metadata": meta(cfg, nm["trainer"], "trainer"),
         "spec": {
             "completionMode": "Indexed",
             "completions": c.nnodes,
@@ -213,12 +236,12 @@ def trainer_job(cfg: ExperimentConfig) -> dict:
             # one lost node fails the whole job; resubmitting resumes from the checkpoint (--resume-or-start)
             "backoffLimit": 0,
             "template": {
-                "metadata": {"labels": _labels(cfg, "trainer")},
+                "metadata": {"labels": labels(cfg, "trainer")},
                 "spec": {
                     "subdomain": nm["trainer"],
                     "restartPolicy": "Never",
                     "containers": [container],
-                    "volumes": volumes,
+                    "volumes": vols,
                 },
             },
         },
@@ -229,81 +252,12 @@ def headless_service(cfg: ExperimentConfig, name: str, component: str, ports: li
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cfg, name, component),
+        "metadata": meta(cfg, name, component),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": _labels(cfg, component),
+            "selector": labels(cfg, component),
             "ports": ports,
-        },
-    }
-
-
-WEIGHTS_MOUNT = "/weights"  # an engine's own copy of the weights it rebuilt from base + deltas
-
-
-def vllm_command(cfg: ExperimentConfig) -> list[str]:
-    """Each engine serves the trainer's latest weight snapshot (or ``model.path``), with the
-    dist-sr weight-transfer backend; it waits for the first snapshot to exist. With
-    ``snapshot_deltas`` it first rebuilds the newest version the snapshots prove (a base plus its
-    deltas: ``dist-sr snapshot materialize``) into a volume of its own and serves that, so an
-    engine that restarts mid-run starts from the trainer's last step, not from the first."""
-    f = cfg.rollout.vllm
-    current = f"{snapshot_dir(cfg)}/current"
-    wait = (
-        f"until [ -e {shlex.quote(current + '/config.json')} ]; do echo waiting for {shlex.quote(current)}; "
-        "sleep 5; done; "
-    )
-    if f.snapshot_deltas:
-        model = f"{WEIGHTS_MOUNT}/model"
-        wait += f"dist-sr snapshot materialize {shlex.quote(snapshot_dir(cfg))} {model} && "
-    elif cfg.model.path:
-        model, wait = shlex.quote(cfg.model.path), ""  # a path is one word, never a command
-    else:
-        model = shlex.quote(current)
-    serve = (
-        f"exec vllm serve {model} --port {f.port} --tensor-parallel-size {f.tensor_parallel_size} --dtype bfloat16 "
-        f"--max-model-len {f.max_model_len} --gpu-memory-utilization {f.gpu_memory_utilization} "
-        f"--weight-transfer-config '{json.dumps({'backend': 'dist_sr'})}' "
-        f"--middleware dist_sr.rollout.vllm.auth.SyncAuthMiddleware"
-    )
-    return ["/bin/sh", "-c", wait + serve]
-
-
-def vllm_statefulset(cfg: ExperimentConfig) -> dict:
-    c, f, nm = cfg.cluster, cfg.rollout.vllm, names(cfg)
-    volumes, mounts = _volumes(cfg, data_read_only=True)
-    if f.snapshot_deltas:
-        volumes.append({"name": "weights", "emptyDir": {}})
-        mounts.append({"name": "weights", "mountPath": WEIGHTS_MOUNT})
-    gpus = c.gpus_per_engine if c.gpus_per_engine is not None else (f.tensor_parallel_size if c.gpus_per_node else 0)
-    container = {
-        "name": "vllm",
-        "image": c.image,
-        "command": vllm_command(cfg),
-        "env": [
-            {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},  # weight routes, behind SyncAuthMiddleware
-            {"name": "VLLM_PLUGINS", "value": "dist_sr"},
-            SECRET_ENV,
-        ],
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": f.port}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
-        "volumeMounts": mounts,
-        "resources": _resources(c.cpu_per_engine, c.memory_per_engine, gpus),
-    }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": _meta(cfg, nm["vllm"], "rollout"),
-        "spec": {
-            "serviceName": nm["vllm"],
-            "replicas": f.replicas,
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": _labels(cfg, "rollout")},
-            "template": {
-                "metadata": {"labels": _labels(cfg, "rollout")},
-                "spec": {"containers": [container], "volumes": volumes},
-            },
         },
     }
 
@@ -319,19 +273,19 @@ def network_policies(cfg: ExperimentConfig) -> list[dict]:
     anything outside it."""
     nm = names(cfg)
     instance = {"app.kubernetes.io/name": "dist-sr", "app.kubernetes.io/instance": cfg.cluster.name}
-    trainer = {"podSelector": {"matchLabels": _labels(cfg, "trainer")}}
-    rollout = {"podSelector": {"matchLabels": _labels(cfg, "rollout")}}
+    trainer = {"podSelector": {"matchLabels": labels(cfg, "trainer")}}
+    rollout = {"podSelector": {"matchLabels": labels(cfg, "rollout")}}
     dns = {"to": [{"namespaceSelector": {}}], "ports": DNS_PORTS}
-    fleet = cfg.rollout.engine == "vllm"
-    peers = [trainer, rollout] if fleet else [trainer]
+    has_fleet = fleet(cfg) is not None
+    peers = [trainer, rollout] if has_fleet else [trainer]
 
     def policy(name, component, ingress, egress):
         return {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
-            "metadata": _meta(cfg, name, component),
+            "metadata": meta(cfg, name, component),
             "spec": {
-                "podSelector": {"matchLabels": _labels(cfg, component)},
+                "podSelector": {"matchLabels": labels(cfg, component)},
                 "policyTypes": ["Ingress", "Egress"],
                 "ingress": copy.deepcopy(ingress),
                 "egress": copy.deepcopy(egress),
@@ -341,11 +295,11 @@ def network_policies(cfg: ExperimentConfig) -> list[dict]:
     deny = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(cfg, nm["deny"], "policy"),
+        "metadata": meta(cfg, nm["deny"], "policy"),
         "spec": {"podSelector": {"matchLabels": instance}, "policyTypes": ["Ingress", "Egress"]},
     }
     out = [deny, policy(nm["trainer_policy"], "trainer", [{"from": peers}], [{"to": peers}, dns])]
-    if fleet:
+    if has_fleet:
         out.append(policy(nm["policy"], "rollout", [{"from": [trainer, rollout]}], [{"to": [trainer, rollout]}, dns]))
     return out
 
@@ -357,7 +311,7 @@ def render(cfg: ExperimentConfig) -> dict[str, list[dict]]:
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(cfg, nm["config"], "config"),
+        "metadata": meta(cfg, nm["config"], "config"),
         "data": {"experiment.yaml": yaml.safe_dump(data, sort_keys=False)},
     }
     if ds is not None:
@@ -365,25 +319,21 @@ def render(cfg: ExperimentConfig) -> dict[str, list[dict]]:
     pvc = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(cfg, nm["data"], "storage"),
+        "metadata": meta(cfg, nm["data"], "storage"),
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": c.storage}}},
     }
     if c.storage_class:
         pvc["spec"]["storageClassName"] = c.storage_class
-    trainer_ports = [{"name": "rendezvous", "port": c.master_port}]
-    if cfg.rollout.engine == "vllm":
-        trainer_ports.append({"name": "weight-group", "port": cfg.rollout.vllm.group_port})
+    service_ports = [{"name": name, "port": port} for name, port in trainer_ports(cfg)]
     files = {
         "configmap.yaml": [config_map],
         "pvc.yaml": [pvc],
-        "trainer-service.yaml": [headless_service(cfg, nm["trainer"], "trainer", trainer_ports)],
+        "trainer-service.yaml": [headless_service(cfg, nm["trainer"], "trainer", service_ports)],
         "trainer-job.yaml": [trainer_job(cfg)],
     }
-    if cfg.rollout.engine == "vllm":
-        files["vllm-service.yaml"] = [
-            headless_service(cfg, nm["vllm"], "rollout", [{"name": HTTP_PORT_NAME, "port": cfg.rollout.vllm.port}])
-        ]
-        files["vllm-statefulset.yaml"] = [vllm_statefulset(cfg)]
+    parts = fleet(cfg)
+    if parts is not None:
+        files.update(parts.files)
     files["networkpolicy.yaml"] = network_policies(cfg)
     return files
 

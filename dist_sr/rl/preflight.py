@@ -23,7 +23,7 @@ import torch
 from ..config import ConfigError, Refusal
 from ..engines import engine_class
 from ..engines.checkpoints import manifest_key
-from ..weightsync import auth
+from ..rollout import rollout_engine_class
 from .checkpoint import SMOLLM2, resolve
 from .checkpoint import hf_config as checkpoint_config
 from .config import ExperimentConfig
@@ -42,13 +42,10 @@ class TooLarge(Refusal, MemoryError):
 
 
 def check_secrets(cfg: ExperimentConfig) -> None:
-    """The checkpoint manifests' key (read and length-checked now, not at the first save), and the
-    sync secret a vLLM fleet needs."""
+    """The checkpoint manifests' key (read and length-checked now, not at the first save), and what
+    the rollout engine checks before compute (a fleet's sync secret)."""
     manifest_key()
-    if cfg.rollout.engine == "vllm":
-        if cfg.rollout.vllm.local_python and auth.load(required=False) is None:
-            os.environ[auth.ENV] = auth.generate()  # engines started here inherit this run's secret
-        auth.load()
+    rollout_engine_class(cfg.rollout.engine).preflight(cfg.rollout)
 
 
 def check_run_dir(out_dir: Path, need_bytes: int) -> None:

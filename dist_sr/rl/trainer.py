@@ -172,9 +172,9 @@ class GRPORun:
             self.rollout = make_rollout_engine(
                 rollout_cfg, self.trainer, self.tokenizer, device=self.device, sharded=self.sharded
             )
-        # what the rollouts' weights must be: re-derived from the masters (an engine whose digest is of
-        # another kind supplies the trainer's digest in that kind)
-        self.own_digest = getattr(self.rollout, "trainer_digest", self.trainer.expected_digest)
+        # what the rollouts' weights must be: re-derived from the masters, unless the engine's digest is
+        # of another kind (it then supplies the trainer's digest in that kind)
+        self.own_digest = lambda: self.rollout.trainer_digest() or self.trainer.expected_digest()
         self.writer = MetricsWriter(out_dir, keep_until_step=self.start if resume else None) if rank == 0 else None
         eval_set = fixed_examples(self.task, cfg.eval.num_prompts, cfg.eval.seed)
         per_rank = len(eval_set) // world
@@ -306,7 +306,7 @@ class GRPORun:
             "nonfinite": nonfinite,
             **(self.trainer.meter.update() if self.trainer.meter is not None else {}),
         }
-        record.update(getattr(self.rollout, "sync_metrics", dict)())  # rank 0's view of the weight sync
+        record.update(self.rollout.sync_metrics())  # rank 0's view of the weight sync
         if mismatch:  # every rank has them (same engine kind); means over ranks
             record.update(zip(sorted(mismatch), _all_mean([mismatch[k] for k in sorted(mismatch)], self.world)))
         if step % self.cfg.eval.every == 0 or step == g.steps:
@@ -347,7 +347,7 @@ class GRPORun:
 
     def close(self) -> None:
         """Stop what the run started (local rollout engines)."""
-        getattr(self.rollout, "close", lambda: None)()
+        self.rollout.close()
 
 
 def train(

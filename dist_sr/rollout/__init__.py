@@ -2,12 +2,19 @@
 model (``sampling``), and the built-in engines: ``embedded`` (the trainer's own model) and
 ``vllm`` (a ``vllm serve`` fleet fed by ``dist_sr.weightsync``)."""
 
-from .base import ROLLOUT_ENGINES, RolloutEngine, Rollouts, make_rollout_engine, register_rollout_engine
-from .embedded import EmbeddedEngine, make_embedded
-from .vllm.engine import VLLMFleetEngine, make_vllm_fleet
+from .base import (
+    ROLLOUT_ENGINES,
+    RolloutEngine,
+    Rollouts,
+    make_rollout_engine,
+    register_rollout_engine,
+    rollout_engine_class,
+)
+from .embedded import EmbeddedEngine
+from .vllm.engine import VLLMFleetEngine
 
-register_rollout_engine("embedded", make_embedded)
-register_rollout_engine("vllm", make_vllm_fleet)
+register_rollout_engine("embedded", EmbeddedEngine)
+register_rollout_engine("vllm", VLLMFleetEngine)
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -17,4 +24,5 @@ __all__ = [
     "VLLMFleetEngine",
     "make_rollout_engine",
     "register_rollout_engine",
+    "rollout_engine_class",
 ]

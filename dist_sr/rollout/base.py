@@ -6,7 +6,7 @@ policy), generates completions, and tags every batch with the weight version it 
 asked, the digest of those weights, so the trainer can prove that rollouts and training saw the
 same bits. The trainer compares that digest with the training engine's ``expected_digest()``
 (the working weights re-derived from the FP32 masters, a path independent of the bits the engine
-holds). An engine whose digest is of another kind also provides ``trainer_digest()``: the
+holds), or, for an engine whose digest is of another kind, with its ``trainer_digest()``: the
 trainer's weights digested that way (vLLM: the layout-free digest of the weights the trainer
 sends, computed from its own pieces, against what the engine reports it received).
 """
@@ -14,7 +14,7 @@ sends, computed from its own pieces, against what the engine reports it received
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -38,6 +38,19 @@ class Rollouts:
 class RolloutEngine(Protocol):
     """Where rollouts come from (``embedded``, a ``vllm`` fleet). Called on every trainer rank.
 
+    Class attributes (what the trainer, its checks and the renderers ask of an engine, never its
+    name):
+        remote: whether it runs in processes (or pods) of its own that the trainer syncs weights
+            to over the network: the job then needs the sync secret.
+        kubernetes: for a remote engine, ``"module:function"`` building its manifests
+            (``function(cfg) -> launch.k8s.FleetManifests``); None when it runs in the trainer.
+
+    Class methods:
+        build(config, trainer, tokenizer, device, sharded): the engine for the ``rollout``
+            section ``config`` and the training engine ``trainer``'s weights.
+        preflight(config): what it checks before any compute (the ``rollout`` section, on every
+            rank): refuse with the fix, never fail later.
+
     Methods:
         sync_weights(version, verify): make the engine generate with the trainer's working weights
             of ``version``; with ``verify``, checked by digest before any rollout.
@@ -45,7 +58,20 @@ class RolloutEngine(Protocol):
             with_digest): ``Rollouts`` (prompt and completion ids with masks, texts, the weight
             version, and with ``with_digest`` the digest of the weights they were generated with),
             ``samples_per_prompt`` per prompt, sampled with ``generator``'s seeds.
+        trainer_digest(): the trainer's weights digested the way this engine's digests are (a
+            collective), or None when the training engine's ``expected_digest()`` is comparable.
+        sync_metrics(): the last weight sync, for the step's metrics (``{}`` when there is none).
+        close(): release what the engine holds (engines it started); called once at the end.
     """
+
+    remote: bool
+    kubernetes: str | None
+
+    @classmethod
+    def build(cls, config, trainer, tokenizer, *, device, sharded: bool) -> RolloutEngine: ...
+
+    @classmethod
+    def preflight(cls, config) -> None: ...
 
     def sync_weights(self, version: int, verify: bool = True) -> None: ...
 
@@ -60,24 +86,34 @@ class RolloutEngine(Protocol):
         with_digest: bool = False,
     ) -> Rollouts: ...
 
+    def trainer_digest(self) -> str | None: ...
 
-# name -> factory(rollout config, training engine, tokenizer, device, sharded) -> RolloutEngine
-ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
+    def sync_metrics(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
-def register_rollout_engine(name: str, factory: Callable[..., RolloutEngine] | str) -> None:
+# name -> a class satisfying RolloutEngine (or "module:Class", imported when first asked for)
+ROLLOUT_ENGINES: Registry[type] = Registry("rollout engine")
+
+
+def register_rollout_engine(name: str, cls: type | str) -> None:
     """A new rollout engine: one module and this call (see ``dist_sr/rollout/__init__.py``);
-    ``factory`` may be ``"module:function"``, imported on first use."""
-    ROLLOUT_ENGINES.register(name, factory)
+    ``cls`` may be ``"module:Class"``, imported on first use."""
+    ROLLOUT_ENGINES.register(name, cls)
 
 
 def rollout_engine_names() -> tuple[str, ...]:
     return ROLLOUT_ENGINES.names()
 
 
+def rollout_engine_class(name: str) -> type:
+    return ROLLOUT_ENGINES[name]
+
+
 def make_rollout_engine(config, trainer, tokenizer, *, device, sharded: bool) -> RolloutEngine:
     """The engine ``config.engine`` (a ``RolloutConfig``) for a training engine's weights."""
-    return ROLLOUT_ENGINES[config.engine](config, trainer, tokenizer, device=device, sharded=sharded)
+    return rollout_engine_class(config.engine).build(config, trainer, tokenizer, device=device, sharded=sharded)
 
 
 def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:

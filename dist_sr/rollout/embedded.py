@@ -14,6 +14,17 @@ class EmbeddedEngine:
     digest each batch carries is computed from those weights at generation time.
     """
 
+    remote = False  # it is the trainer's own model
+    kubernetes = None
+
+    @classmethod
+    def build(cls, config, trainer, tokenizer, *, device, sharded: bool) -> EmbeddedEngine:
+        return cls(trainer.module, tokenizer, digest_fn=trainer.digest, stop_early=not sharded)
+
+    @classmethod
+    def preflight(cls, config) -> None:
+        """Nothing to check: no process, secret or address of its own."""
+
     def __init__(self, model, tokenizer, *, digest_fn=None, stop_early: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.digest_fn, self.stop_early = digest_fn, stop_early
@@ -21,6 +32,16 @@ class EmbeddedEngine:
 
     def sync_weights(self, version: int, verify: bool = True) -> None:
         self.version = version  # same module as the trainer: nothing to copy
+
+    def trainer_digest(self) -> None:
+        """None: its digest is the training engine's own, comparable with ``expected_digest()``."""
+        return None
+
+    def sync_metrics(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def weight_digest(self) -> str:
         """Digest of the weights generation uses (for sharded models, ``digest_fn`` is the engine's
@@ -51,7 +72,3 @@ class EmbeddedEngine:
             comp * comp_mask + self.tokenizer.pad_token_id * (1 - comp_mask), skip_special_tokens=True
         )
         return Rollouts(ids, mask, comp, comp_mask, texts, self.version, self.weight_digest() if with_digest else None)
-
-
-def make_embedded(config, trainer, tokenizer, *, device, sharded: bool) -> EmbeddedEngine:
-    return EmbeddedEngine(trainer.module, tokenizer, digest_fn=trainer.digest, stop_early=not sharded)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dist_sr.config import ConfigError
-from dist_sr.launch import k8s
+from dist_sr.launch import k8s, k8s_vllm
 from dist_sr.launch.planner import build_parser, plan
 from tests.launch.conftest import REPO
 
@@ -256,14 +256,14 @@ def test_a_model_path_with_spaces_or_shell_characters_stays_one_argument():
         cfg = load_experiment(
             REPO / "configs" / "multinode-vllm.yaml", {"model.path": path, "rollout.vllm.snapshot_deltas": False}
         )
-        words = shlex.split(k8s.vllm_command(cfg)[2])
+        words = shlex.split(k8s_vllm.vllm_command(cfg)[2])
         assert words[:4] == ["exec", "vllm", "serve", path], words[:6]
     for deltas in (False, True):
         cfg = load_experiment(
             REPO / "configs" / "multinode-vllm.yaml",
             {"cluster.data_dir": "/data dir", "model.path": None, "rollout.vllm.snapshot_deltas": deltas},
         )
-        script = k8s.vllm_command(cfg)[2]
+        script = k8s_vllm.vllm_command(cfg)[2]
         assert "'/data dir/snapshots/" in script and shlex.split(script.split("; do")[0])[:3] == ["until", "[", "-e"]
 
 
@@ -272,9 +272,9 @@ def test_engines_rebuild_the_newest_snapshot_version_into_their_own_volume_befor
 
     cfg = load_experiment(REPO / "configs" / "multinode-vllm.yaml")
     assert cfg.rollout.vllm.snapshot_deltas and cfg.model.path  # the trainer loads the model; engines the snapshots
-    script = k8s.vllm_command(cfg)[2]
+    script = k8s_vllm.vllm_command(cfg)[2]
     rebuild, serve = script.split("; done; ")[1].split(" && ")
-    assert shlex.split(rebuild) == ["dist-sr", "snapshot", "materialize", k8s.snapshot_dir(cfg), "/weights/model"]
+    assert shlex.split(rebuild) == ["dist-sr", "snapshot", "materialize", k8s_vllm.snapshot_dir(cfg), "/weights/model"]
     assert shlex.split(serve)[:4] == ["exec", "vllm", "serve", "/weights/model"]
     engines = _objects(_render(REPO / "configs" / "multinode-vllm.yaml", tmp_path=tmp_path), "StatefulSet")[0]
     pod = engines["spec"]["template"]["spec"]

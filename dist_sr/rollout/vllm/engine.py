@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...config import ConfigError
+from ...weightsync import auth
 from ...weightsync.control import TIMEOUT_S, EngineError, NoReadyEngineError
 from ...weightsync.snapshot import Snapshots
 from ...weightsync.sync import WeightSync
@@ -29,6 +30,61 @@ log = logging.getLogger(__name__)
 
 
 class VLLMFleetEngine:
+    """The rollout engine over a fleet of ``vllm serve`` engines (``rollout.vllm``): its own
+    processes or pods, reached over HTTP and fed the trainer's bits over the weight-transfer group."""
+
+    remote = True
+    kubernetes = "dist_sr.launch.k8s_vllm:fleet_manifests"
+
+    @classmethod
+    def preflight(cls, config) -> None:
+        """The job's sync secret, read (and length-checked) now, not at the first sync; engines this
+        run starts on its host get one generated for the run."""
+        if config.vllm.local_python and auth.load(required=False) is None:
+            os.environ[auth.ENV] = auth.generate()  # engines started here inherit this run's secret
+        auth.load()
+
+    @classmethod
+    def build(cls, config, trainer, tokenizer, *, device, sharded: bool, source=None) -> VLLMFleetEngine:
+        """The fleet of ``config.vllm``; with ``local_python``, engines started here first, serving the
+        checkpoint the trainer's model was loaded from (``name_or_path``) in the trainer's working
+        dtype (FP16 for fp16, else BF16: an FP32 trainer's engine serves the BF16 cast)."""
+        fleet = config.vllm
+        if not fleet.local_python:
+            return cls.from_config(fleet, trainer, tokenizer, device=device, source=source)
+        from dataclasses import replace
+        from pathlib import Path
+
+        from ...net import free_port
+        from .local import start_local_engines
+
+        if sharded:
+            raise ConfigError("rollout.vllm.local_python starts engines for one trainer process; use urls with several")
+        model_dir = getattr(trainer.module, "name_or_path", "")
+        if not model_dir or not (Path(model_dir) / "config.json").exists():
+            raise ConfigError(
+                f"rollout.vllm.local_python: the trainer's model was not loaded from a local checkpoint directory "
+                f"({model_dir!r}); local engines serve that directory"
+            )
+        dtype = "float16" if next(trainer.module.parameters()).dtype == torch.float16 else "bfloat16"
+        log_dir = Path(fleet.local_log_dir) if fleet.local_log_dir else Path(model_dir).parent / "engines"
+        engines = start_local_engines(fleet, model_dir, dtype=dtype, log_dir=log_dir)
+        try:
+            out = cls.from_config(
+                # the group's store on a free port: several runs with local engines share this host
+                replace(fleet, urls=[e.url for e in engines], local_python=None, group_port=free_port()),
+                trainer,
+                tokenizer,
+                device=device,
+                source=source,
+            )
+        except BaseException:
+            for e in engines:
+                e.stop()
+            raise
+        out.local_engines = engines
+        return out
+
     def __init__(
         self,
         sync: WeightSync,
@@ -53,6 +109,7 @@ class VLLMFleetEngine:
         self.startup_timeout_s = startup_timeout_s
         self.version: int | None = None
         self._model_names: dict[str, str] = {}
+        self.local_engines: list = []  # engines this run started on its host (rollout.vllm.local_python)
 
     @classmethod
     def from_config(cls, fleet_cfg, trainer, tokenizer, device=None, source=None) -> "VLLMFleetEngine":
@@ -232,46 +289,5 @@ class VLLMFleetEngine:
 
     def close(self) -> None:
         """Stop the engines this run started on its host (``rollout.vllm.local_python``), if any."""
-        for e in getattr(self, "local_engines", []):
+        for e in self.local_engines:
             e.stop()
-
-
-def make_vllm_fleet(config, trainer, tokenizer, *, device, sharded: bool, source=None) -> VLLMFleetEngine:
-    """The fleet of ``config.vllm``; with ``local_python``, engines started here first, serving the
-    checkpoint the trainer's model was loaded from (``name_or_path``) in the trainer's working
-    dtype (FP16 for fp16, else BF16: an FP32 trainer's engine serves the BF16 cast)."""
-    fleet = config.vllm
-    if not fleet.local_python:
-        return VLLMFleetEngine.from_config(fleet, trainer, tokenizer, device=device, source=source)
-    from dataclasses import replace
-    from pathlib import Path
-
-    from ...net import free_port
-    from .local import start_local_engines
-
-    if sharded:
-        raise ConfigError("rollout.vllm.local_python starts engines for one trainer process; use urls with several")
-    model_dir = getattr(trainer.module, "name_or_path", "")
-    if not model_dir or not (Path(model_dir) / "config.json").exists():
-        raise ConfigError(
-            f"rollout.vllm.local_python: the trainer's model was not loaded from a local checkpoint directory "
-            f"({model_dir!r}); local engines serve that directory"
-        )
-    dtype = "float16" if next(trainer.module.parameters()).dtype == torch.float16 else "bfloat16"
-    log_dir = Path(fleet.local_log_dir) if fleet.local_log_dir else Path(model_dir).parent / "engines"
-    engines = start_local_engines(fleet, model_dir, dtype=dtype, log_dir=log_dir)
-    try:
-        out = VLLMFleetEngine.from_config(
-            # the group's store on a free port: several runs with local engines share this host
-            replace(fleet, urls=[e.url for e in engines], local_python=None, group_port=free_port()),
-            trainer,
-            tokenizer,
-            device=device,
-            source=source,
-        )
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
-    out.local_engines = engines
-    return out

