@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "dist_sr"
 # The rooms, bottom to top: a room may import its own and lower rooms only.
 LAYERS = [
-    ("config", "net", "faults", "secret", "registry"),
+    ("config", "net", "faults", "secret", "registry", "collectives"),
     ("numerics",),
     ("optim", "replica", "sources", "cluster"),
     ("precision",),
@@ -190,3 +190,45 @@ def test_scripts_run_from_their_folders_do_not_shadow_the_packages_they_import()
         )
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"{folder}/: {r.stderr[-1500:]}"
+
+
+def private_attributes(package: Path = PACKAGE) -> list[str]:
+    """``obj._name`` read or written in one module where ``_name`` is an attribute only another of
+    the package's modules defines (as a method, a class attribute or ``self._name = ...``): one
+    module reaching into another's objects. ``self``/``cls`` and dunders are left alone; a private
+    attribute of torch, vLLM or a peer (defined by none of our modules) is integration glue."""
+    mods = modules(package)
+    defined: dict[str, set[str]] = defaultdict(set)
+    trees = {name: ast.parse(path.read_text()) for name, path in mods.items()}
+
+    def private(attr: str) -> bool:
+        return attr.startswith("_") and not attr.startswith("__")
+
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and private(node.name):
+                defined[node.name].add(name)
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+                    for t in targets:
+                        if isinstance(t, ast.Name) and private(t.id):
+                            defined[t.id].add(name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and private(node.attr):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    defined[node.attr].add(name)
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and private(node.attr)):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            owners = defined.get(node.attr, set())
+            if owners and name not in owners:
+                found.append(f"{name}:{node.lineno} reaches {node.attr} of {', '.join(sorted(owners))}")
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    assert private_attributes() == []

@@ -157,7 +157,7 @@ def choose_verified(root: Path, named: Path, rank: int) -> Path:
     verifies the files once; it moves every refused candidate to ``<run>/refused/`` and points
     ``latest`` at the choice, so the run continues past the refused steps. Every rank loads the
     choice."""
-    import torch.distributed as dist
+    from .. import collectives
 
     choice: list = [None, []]
     if rank == 0:
@@ -178,8 +178,7 @@ def choose_verified(root: Path, named: Path, rank: int) -> Path:
                     quarantine(candidate, root.parent, reason)
             if named.name != choice[0]:
                 write_atomic(root / "latest", choice[0])
-    dist.broadcast_object_list(choice, src=0)
-    chosen, problems = choice
+    chosen, problems = collectives.from_first(choice)
     if chosen is None:
         raise CheckpointCorrupt(f"{root}: no checkpoint verifies: {'; '.join(problems)}")
     if problems and rank == 0:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .. import collectives
 from ..config import ConfigError, Refusal
 from ..engines import TrainSettings, engine_class, init_distributed, training_device
 from ..engines import make_engine as make_training_engine
@@ -82,17 +83,8 @@ def jitter_shadows_(optimizer: ShadowOptimizer, seed: int) -> None:
         optimizer.write_working()
 
 
-def _all_sum(values: list[float], world: int) -> list[float]:
-    """Sums over ranks (identity in one process)."""
-    if world == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=training_device())  # nccl reduces CUDA tensors
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def _all_mean(values: list[float], world: int) -> list[float]:
-    return values if world == 1 else [v / world for v in _all_sum(values, world)]
+    return values if world == 1 else [v / world for v in collectives.summed(values, device=training_device())]
 
 
 def settings(cfg: ExperimentConfig, world: int) -> TrainSettings:
@@ -201,7 +193,9 @@ class GRPORun:
             ref_model=self.ref_model,
             stop_early=not self.sharded,
         )
-        correct, n, kl_sum, kl_tokens = _all_sum([ev["correct"], ev["n"], ev["kl_sum"], ev["kl_tokens"]], self.world)
+        correct, n, kl_sum, kl_tokens = collectives.summed(
+            [ev["correct"], ev["n"], ev["kl_sum"], ev["kl_tokens"]], device=self.device
+        )
         return {"eval_accuracy": correct / n, "eval_kl": kl_sum / max(kl_tokens, 1)}
 
     def write(self, record: dict) -> None:
@@ -265,7 +259,7 @@ class GRPORun:
     def update(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
         """Backward and optimizer step, unless the loss is non-finite on any rank (every rank
         skips together: backward holds collectives). Returns (grad norm, stepped, non-finite)."""
-        nonfinite = _all_sum([0.0 if bool(torch.isfinite(loss.detach())) else 1.0], self.world)[0] > 0
+        nonfinite = collectives.summed([0.0 if bool(torch.isfinite(loss.detach())) else 1.0], device=self.device)[0] > 0
         if nonfinite:
             grad_norm, stepped = float("nan"), False
         else:

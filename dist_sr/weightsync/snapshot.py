@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from .. import faults
+from .. import collectives, faults
 from ..config import Refusal
 from ..engines.checkpoints import MANIFEST, CheckpointCorrupt, verify_manifest, write_atomic, write_manifest
 from ..numerics import delta as delta_codec
@@ -86,7 +85,7 @@ class Snapshots:
         """Write ``version``, as a delta when one is due; returns its directory on rank 0."""
         metas = source.metadata()
         hold = self.deltas and all(d in ("bfloat16", "float16") for _, d, _ in metas)
-        if hold and _agree(self._delta_due(version), self.group):
+        if hold and collectives.from_first(self._delta_due(version), self.group):
             try:
                 return self._write_delta(source, version, metas)
             except BaseException:
@@ -116,7 +115,7 @@ class Snapshots:
     def _write_base(self, source, version: int, metas, *, hold: bool) -> Path | None:
         from safetensors.torch import save_file
 
-        rank = _rank(self.group)
+        rank = collectives.rank(self.group)
         plans = [TensorPlan(n, d, tuple(s), [Span(0, 0, 0)]) for n, d, s in metas]
         buckets = [[t.name for t in b.tensors] for b in make_buckets(plans, int(self.bucket_mb * 2**20))]
         final, tmp = self.root / f"v{version}", self.root / f".v{version}.partial"
@@ -178,12 +177,12 @@ class Snapshots:
 
     # ---- a delta (every rank writes its pieces) ----------------------------------------------
     def _write_delta(self, source, version: int, metas) -> Path | None:
-        rank, world = _rank(self.group), _world(self.group)
+        rank, world = collectives.rank(self.group), collectives.world(self.group)
         final, tmp = self.root / CHAIN / f"v{version}", self.root / CHAIN / f".v{version}.partial"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier(self.group)  # the directory exists for every rank
+        collectives.barrier(self.group)  # the directory exists for every rank
         pieces, problem = [], ""
         try:
             with open(tmp / f"rank{rank:05d}.bin", "wb") as out:
@@ -195,14 +194,14 @@ class Snapshots:
         except (OSError, KeyError, delta_codec.DeltaError) as exc:
             problem = f"trainer rank {rank}: {exc}"
         entries = digest_entries(source, world, self.group)  # collective: the layout-free digest
-        problems = _gather(problem, self.group)
+        problems = collectives.gathered(problem, self.group)
         if any(problems):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(f"snapshot delta of version {version} not written: {[p for p in problems if p]}")
         self._hold_pieces(source, metas)
         previous, self.held_version = self.held_version, version
-        by_rank = _gather(pieces, self.group)
+        by_rank = collectives.gathered(pieces, self.group)
         if rank != 0:
             return None
         info = {"version": version, "previous": previous, "digest": combine(entries), "ranks": by_rank}
@@ -572,33 +571,3 @@ def _versions(directory: Path, prefix: str) -> list[int]:
 def _key() -> bytes | None:
     """Snapshots are signed with the job's sync secret, which trainer and engines both hold."""
     return auth.load(required=False)
-
-
-def _rank(group=None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _world(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _barrier(group) -> None:
-    if _world(group) > 1:
-        dist.barrier(group=group)
-
-
-def _agree(choice: bool, group) -> bool:
-    """Rank 0's ``choice``, on every rank."""
-    if _world(group) == 1:
-        return choice
-    box = [choice]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return bool(box[0])
-
-
-def _gather(obj, group) -> list:
-    if _world(group) == 1:
-        return [obj]
-    out = [None] * _world(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out

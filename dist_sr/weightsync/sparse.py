@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..config import Refusal
 from ..numerics.digest import combine, piece_sums, tensor_sums
 from ..sources import add_rank_sums
@@ -116,7 +116,7 @@ class SparseExport:
 
     def __init__(self, source, group=None):
         self.source, self.group = source, group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.world = collectives.world(group)
         self.held: dict[tuple[str, int], torch.Tensor] = {}  # the version the peer received, per piece
         self.exported = False  # whether ``held`` is a version the peer received
         self._pending: tuple[list, bool] | None = None  # the last export, until delivered
@@ -125,7 +125,7 @@ class SparseExport:
         metas = self.source.metadata()
         shapes = {m[0]: tuple(m[2]) for m in metas}
         pieces = [p for p in self.source.local_pieces(list(shapes)) if p.end > p.start]
-        dense = not _agree(self.exported and all(self._holds(p) for p in pieces), self.group, self.world)
+        dense = not collectives.all_true(self.exported and all(self._holds(p) for p in pieces), self.group)
         pending, problem = [], ""
         for p in pieces:
             bits, key = p.bits.detach().reshape(-1).cpu(), (p.name, p.start)
@@ -138,7 +138,7 @@ class SparseExport:
                 )
             except SparseUnsupported as exc:
                 problem = problem or str(exc)
-        problems = [problem] if self.world == 1 else _gathered(problem, self.group, self.world)
+        problems = collectives.gathered(problem, self.group)
         if any(problems):
             self.reset()  # the peer takes this version dense: so does the next export
             raise SparseUnsupported(next(pr for pr in problems if pr))
@@ -177,21 +177,6 @@ class SparseExport:
     def reset(self) -> None:
         """After a sync the peer did not complete: the next ``export()`` is dense (None pairs)."""
         self.held, self.exported, self._pending = {}, False, None
-
-
-def _agree(ok: bool, group, world: int) -> bool:
-    """Whether ``ok`` holds on every rank of ``group``."""
-    if world == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _gathered(obj, group, world: int) -> list:
-    out = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def to_vllm(patches: list[SparsePatch]) -> list:

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import faults
+from .. import collectives, faults
 from ..numerics import delta as delta_codec
 from ..numerics.digest import combine, piece_sums
 from ..sources import WeightSource, add_rank_sums, layout_free_digest
@@ -125,18 +125,11 @@ class WeightSync:
 
     # ---- collectives among trainer ranks -------------------------------------------------
     def _bcast(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.trainer_group)
-        return box[0]
+        return collectives.from_first(obj, self.trainer_group)
 
-    def _all_ok(self, ok: bool) -> bool:
-        if self.world == 1:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.trainer_group)
-        return bool(flag.item())
+    def all_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every trainer rank (collective)."""
+        return collectives.all_true(ok, self.trainer_group)
 
     # ---- membership ------------------------------------------------------------------------
     def _failed(self, control: ControlPlane, exc: Exception) -> str:
@@ -291,11 +284,11 @@ class WeightSync:
             failed = []
             if members != self.members:
                 failed = self._connect(members)
-            ok = not failed and self._all_ok(True)
+            ok = not failed and self.all_ok(True)
             base = self._bcast(self._delta_base(attempt, last_base) if self.rank == 0 else None)
             if ok:
                 ok, failed, sent, entries = self._transfer(version, on_bucket, verify, base)
-            if self._all_ok(ok):
+            if self.all_ok(ok):
                 break
             failed = self._bcast(failed)
             problems += failed

@@ -206,7 +206,7 @@ class VLLMFleetEngine:
         for _ in range(1 + self.REGENERATE):
             out, used = self._generate(prompts, seeds, samples_per_prompt, max_new_tokens, temperature, with_digest)
             problems = self.sync.changed(used)
-            if self.sync._all_ok(not problems):
+            if self.sync.all_ok(not problems):
                 return out
             for p in problems:
                 log.error("rollouts discarded: %s", p)
