@@ -157,6 +157,37 @@ def test_without_the_switch_verl_exports_what_it_did_before(tmp_path):
     run_workers(_switch_off_worker, 2, str(model_dir))
 
 
+def _seed_only_worker(rank, world, model_dir):
+    """No external_lib in verl's config, only DIST_SR_SEED in the job's environment: dist-sr's
+    start-up hook (what its .pth runs at interpreter start; ``dist_sr_deepspeed_hook.register``)
+    imports the integration when verl's FSDP2 engine module is imported (or already was)."""
+    import sys
+
+    import dist_sr_deepspeed_hook
+
+    assert SWITCH not in sys.modules
+    dist_sr_deepspeed_hook.register()
+    engine = build(model_dir, switch=False)
+    ctx = engine._dist_sr_ctx
+    assert ctx is not None and (ctx.seed, ctx.mode) == (4321, "stochastic")
+    train(engine, 1)
+    gen, _ = engine.get_per_tensor_param()
+    assert bitwise_equal({n: t.clone() for n, t in gen}, keyed_with(engine, 4321, 1)) == []
+
+
+def keyed_with(engine, seed: int, step: int) -> dict[str, torch.Tensor]:
+    from dist_sr import stochastic_round
+    from dist_sr.engines import fsdp2
+
+    return {n: stochastic_round(m, seed=seed, step=step, param=n) for n, m in fsdp2.full_master(engine.module).items()}
+
+
+def test_dist_sr_seed_alone_turns_the_integration_on_through_the_start_up_hook(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIST_SR_SEED", "4321")
+    model_dir = save_tiny_model(tmp_path / "model")
+    run_workers(_seed_only_worker, 2, str(model_dir))
+
+
 def test_setups_the_key_cannot_cover_are_refused_before_the_model_is_built(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model")
     run_workers(_refusal_worker, 1, str(model_dir))
