@@ -117,9 +117,11 @@ for stack in $STACKS; do
     openrlhf)
       setup_openrlhf
       start=$(date +%s); rc=0
-      DIST_SR_PEER_STACK=openrlhf DS_ACCELERATOR=cpu .venv-peer-openrlhf/bin/python -m pytest -q -p no:cacheprovider \
-        tests/peers/test_openrlhf.py || rc=$?
-      report openrlhf "$(.venv-peer-openrlhf/bin/python -c 'import openrlhf, importlib.metadata as m; print(m.version("openrlhf"))')" "$start" $rc ;;
+      DIST_SR_PEER_STACK=openrlhf DIST_SR_PEER_RESULTS="$results/openrlhf.json" DS_ACCELERATOR=cpu \
+        .venv-peer-openrlhf/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_openrlhf.py || rc=$?
+      report openrlhf "$(.venv-peer-openrlhf/bin/python -c 'import openrlhf, importlib.metadata as m; print(m.version("openrlhf"))')" "$start" $rc
+      # what OpenRLHF's own loop test saw, per sync path (tests/peers/results.py)
+      "$python" -m tests.peers.results "$results/openrlhf.json" openrlhf || status=1 ;;
     vllm-*)
       version=${stack#vllm-}
       case $version in
