@@ -9,8 +9,8 @@
 # CUDA graph); every stage has its own time limit; logs and JSON under $OUT.
 # Run from the repository root:  bash bench/gpu_check.sh
 # GPU_CHECK_QUICK=1 (about 4 minutes, for a short device budget): the optimizer step, one FSDP2
-# training step (torch's policy vs dist-sr), the SR cast at 2^26 and 2^28, and the Triton CUDA
-# tests, most important first, with the committed launch shapes.
+# training step (torch's policy vs dist-sr), the SR cast at 2^26 and 2^28, and the CUDA tests
+# (Triton, the offload modes), most important first, with the committed launch shapes.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -33,9 +33,9 @@ if [ -n "${GPU_CHECK_QUICK:-}" ]; then
   timeout 45 python3 bench/kernel_speed.py --device cuda --sizes 26 28 --rounds 5 --json "$out/kernels-cuda.json" 2>&1 \
     | tee "$out/gpu-kernels.md" | grep -E "^#|SR cast bandwidth|dist-sr"
   timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-cost.md"
-  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
+  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
     tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py \
-    tests/engines/test_fsdp2_gather.py 2>&1 \
+    tests/engines/test_fsdp2_gather.py tests/engines/test_offload_cuda.py 2>&1 \
     | tee "$out/gpu-tests.log" | tail -25
   exit 0
 fi
@@ -49,11 +49,14 @@ timeout 40 python3 bench/host_cost.py --device cuda 2>&1 | tee "$out/gpu-host-co
 # one whole training step (~320M params): ZeRO-2/3 SR off vs on, FSDP2 torch MPP vs dist-sr
 timeout 240 python3 bench/train_step.py --device cuda --hidden 1024 --layers 24 --batch 8 --seq 512 2>&1 \
   | grep -v Warning | tee "$out/gpu-train-step.md" | grep -E "^#|^\|"
+# what SR adds in device bytes per parameter, every memory mode (docs/performance.md's table)
+timeout 420 python3 bench/memory.py --device cuda --hidden 1024 --layers 4 --json "$out/memory-cuda.json" 2>&1 \
+  | grep -v Warning | tee "$out/gpu-memory.md" | grep -E "^memory:|^\|"
 # the grid-step delta codec's Triton passes at 2^26 and 2^28 elements, beside a device copy
 timeout 60 python3 bench/delta_sync.py --device cuda 2>&1 | grep -v Warning | tee "$out/gpu-delta-codec.md"
 # a colocated engine on the same GPU: sync over CUDA IPC and over gloo beside a device copy
 timeout 90 python3 bench/ipc_sync.py --mb 1024 --bucket-mb 256 2>&1 | grep -v Warning | tee "$out/gpu-ipc-sync.md"
-timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
+timeout 320 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \
   tests/numerics/test_digest.py tests/numerics/test_delta.py tests/weightsync/test_ipc.py \
-  tests/engines/test_fsdp2_gather.py 2>&1 \
+  tests/engines/test_fsdp2_gather.py tests/engines/test_offload_cuda.py 2>&1 \
   | tee "$out/gpu-tests.log" | tail -25

@@ -1,6 +1,7 @@
 """One whole training step (forward, backward, optimizer) with and without SR, side by side, for
 DeepSpeed ZeRO-2 and ZeRO-3 (the config's SR block on vs off) and FSDP2 (torch's own BF16
-``MixedPrecisionPolicy`` vs dist-sr's keyed round-to-nearest vs bf16-sr), on one device.
+``MixedPrecisionPolicy`` vs dist-sr's keyed round-to-nearest vs bf16-sr, with and without its kept BF16
+shards), on one device.
 
     python bench/train_step.py                               # CPU, world 1 on gloo (host cost)
     python bench/train_step.py --device cuda --hidden 1024 --layers 24   # ~300M params on a GPU
@@ -58,6 +59,7 @@ def fsdp2_step(variant: str, args):
     if variant != "torch bf16 MixedPrecisionPolicy":
         mode = "nearest" if variant == "dist-sr bf16 (keyed nearest)" else "stochastic"
         ctx = fsdp2.prepare(net, seed=1, mode=mode)
+        ctx.cache_rounded = variant != "dist-sr bf16-sr, no kept shards"  # (each all-gather rounds again)
     for block in net.model.layers:
         fully_shard(block, mp_policy=fsdp2.MIXED_PRECISION)
     fully_shard(net, mp_policy=fsdp2.MIXED_PRECISION)
@@ -86,7 +88,12 @@ FAMILIES = {
         "FSDP2",
         {
             v: (lambda a, v=v: fsdp2_step(v, a))
-            for v in ("torch bf16 MixedPrecisionPolicy", "dist-sr bf16 (keyed nearest)", "dist-sr bf16-sr")
+            for v in (
+                "torch bf16 MixedPrecisionPolicy",
+                "dist-sr bf16 (keyed nearest)",
+                "dist-sr bf16-sr",
+                "dist-sr bf16-sr, no kept shards",
+            )
         },
     ),
 }

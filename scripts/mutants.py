@@ -176,17 +176,17 @@ MUTANTS = [
     Mutant(
         "deepspeed-fragment-offset-zero",
         "engines: DeepSpeed offsets",
-        "dist_sr/engines/deepspeed/hook.py",
-        "mapping.lp_fragment_address.start,\n",
-        "0,\n",
+        "dist_sr/engines/deepspeed/layouts.py",
+        "p, lp.start, hp.numel, hp.start)",
+        "p, 0, hp.numel, hp.start)",
         (f"{T_DS}::test_every_bf16_element_is_the_keyed_rounding_of_the_full_master[zero2]",),
     ),
     Mutant(
         "deepspeed-zero3-flat-offset",
         "engines: DeepSpeed offsets",
-        "dist_sr/engines/deepspeed/hook.py",
-        "part.data.view(-1)[:n], rank * n))",
-        "part.data.view(-1)[:n], offset))",
+        "dist_sr/engines/deepspeed/layouts.py",
+        "param, rank * n, n, at)",
+        "param, at, n, at)",
         (f"{T_DS}::test_every_bf16_element_is_the_keyed_rounding_of_the_full_master[zero3]",),
     ),
     Mutant(
@@ -835,6 +835,87 @@ MUTANTS = [
             "test_a_fan_out_client_marks_engines_that_answer_badly_down_and_goes_on_with_the_others",
         ),
     ),
+    Mutant(
+        "placement-staged-bits-never-copied",
+        "engines: device-aware rounding plan",
+        "dist_sr/engines/placement.py",
+        "            dest.copy_(staging, non_blocking=asynchronous)",
+        "            pass",
+        ("tests/engines/test_placement.py::test_a_staged_plan_delivers_the_bits_of_rounding_in_place",),
+    ),
+    Mutant(
+        "column-shard-rows-taken-as-contiguous",
+        "numerics: shard offsets",
+        "dist_sr/numerics/shards.py",
+        "rows = None if b.row_stride == b.row_len or r1 - r0 == 1 else (b.row_len, b.row_stride)",
+        "rows = None",
+        (
+            "tests/engines/test_placement.py::"
+            "test_any_fragment_of_a_column_shard_is_keyed_by_its_index_in_the_full_parameter[0-15]",
+        ),
+    ),
+    Mutant(
+        "deepspeed-offload-copies-rtn",
+        "engines: DeepSpeed offload",
+        "dist_sr/engines/deepspeed/layouts.py",
+        "            masters[group_no] = self.buffers()[group_no]",
+        "            pass",
+        (
+            "tests/engines/test_deepspeed_offload.py::"
+            "test_offload_layouts_hold_the_keyed_rounding_of_the_full_master[zero2-offload-optimizer-pinned]",
+        ),
+    ),
+    Mutant(
+        "deepspeed-offload-states-keeps-partitions",
+        "engines: DeepSpeed offload",
+        "dist_sr/engines/deepspeed/hook.py",
+        "                self.release()\n",
+        "                pass\n",
+        ("tests/engines/test_deepspeed_offload.py::test_offload_states_frees_the_partitions_dist_sr_rounded[with-sr]",),
+    ),
+    Mutant(
+        "deepspeed-quantized-weights-accepted",
+        "engines: DeepSpeed refusals",
+        "dist_sr/engines/deepspeed/layouts.py",
+        "        if zero.get(field):",
+        "        if False:",
+        ("tests/engines/test_deepspeed_offload.py::test_zero_plus_plus_quantized_weights_are_refused_by_name",),
+    ),
+    Mutant(
+        "autotp-keyed-by-local-offset",
+        "engines: DeepSpeed tensor parallelism",
+        "dist_sr/engines/deepspeed/layouts.py",
+        "self.blocks = tp_blocks(sr.engine, sr.engine.module)",
+        "self.blocks = {}",
+        ("tests/engines/test_deepspeed_tp.py::test_tensor_parallel_shards_hold_the_single_rank_bits[tp2]",),
+    ),
+    Mutant(
+        "autotp-scaled-shard-accepted",
+        "engines: DeepSpeed tensor parallelism",
+        "dist_sr/engines/deepspeed/tp.py",
+        "        if piece.scale != 1.0:",
+        "        if False:",
+        ("tests/engines/test_deepspeed_tp.py::test_a_shard_holding_a_scaled_copy_is_refused_by_name",),
+    ),
+    Mutant(
+        "fsdp2-device-move-keeps-storage",
+        "engines: FSDP2 offload",
+        "dist_sr/engines/fsdp2/hook.py",
+        "                rounder.release()  # an offload",
+        "                pass  # an offload",
+        (
+            "tests/engines/test_fsdp2_offload.py::"
+            "test_moving_the_masters_to_another_device_leaves_dist_sr_holding_no_storage",
+        ),
+    ),
+    Mutant(
+        "fsdp2-offload-moves-the-fp32-master",
+        "engines: FSDP2 offload",
+        "dist_sr/engines/fsdp2/hook.py",
+        "                if moved is not None:",
+        "                if False:",
+        ("tests/engines/test_fsdp2_offload.py::test_an_offloaded_shard_moves_to_the_device_as_its_bf16_bits",),
+    ),
 ]
 
 
@@ -869,6 +950,12 @@ SLOW = frozenset(
         "async-grpo-stream-not-routed",
         "latest-keeps-naming-the-refused-step",
         "skipped-share-unchecked",
+        "deepspeed-offload-copies-rtn",
+        "deepspeed-offload-states-keeps-partitions",
+        "deepspeed-quantized-weights-accepted",
+        "autotp-keyed-by-local-offset",
+        "fsdp2-device-move-keeps-storage",
+        "fsdp2-offload-moves-the-fp32-master",
         # issue 43: a tiny model's snapshot chain, CLI processes, real receivers, a killed trainer
         "materialize-writes-inside-the-snapshots",
         "materialize-replaces-what-it-did-not-write",

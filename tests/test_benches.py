@@ -2,6 +2,8 @@
 measured, so the GPU check that runs it on a lent machine does not find it broken there."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +25,12 @@ def test_the_train_step_bench_steps_every_fsdp2_variant_on_the_cpu(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]["FSDP2"]
-    assert set(rows) == {"torch bf16 MixedPrecisionPolicy", "dist-sr bf16 (keyed nearest)", "dist-sr bf16-sr"}
+    assert set(rows) == {
+        "torch bf16 MixedPrecisionPolicy",
+        "dist-sr bf16 (keyed nearest)",
+        "dist-sr bf16-sr",
+        "dist-sr bf16-sr, no kept shards",
+    }
     assert all(row["step_ms"] > 0 for row in rows.values())
 
 
@@ -63,3 +70,27 @@ def test_the_grpo_on_vllm_bench_runs_a_corrected_arm_against_a_real_engine(tmp_p
     assert row["mismatch_abs_mean"] > 0 and 0.0 <= row["is_clipped_frac"] <= 1.0
     assert row["acc_start"] is not None and row["acc_end"] is not None
     assert (results.read_bytes() if results.exists() else None) == before  # a real run's results stay
+
+
+def test_the_memory_bench_prints_a_row_per_engine_and_mode(tmp_path):
+    """bench/memory.py (also run on a GPU by bench/gpu_check.sh): one ``memory:`` line per row, the
+    difference with SR of the allocator's bytes. FSDP2's kept BF16 shards are 2 bytes per
+    parameter at world 1, exactly; rounded per all-gather they cost nothing at rest."""
+    out = tmp_path / "memory.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "memory.py"), "--rows", "fsdp2", "fsdp2-unkept", "zero2"]
+        + ["--hidden", "64", "--layers", "1", "--vocab", "256", "--seq", "16", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("memory: ")]
+    assert len(lines) == 3 and all(
+        re.fullmatch(r"memory: \S+ .+: [+-]\d+\.\d+ bytes/param at rest, [+-]\d+\.\d+ at peak", x) for x in lines
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["fsdp2"]["rest"] == 2.0 and rows["fsdp2-unkept"]["rest"] == 0.0
+    assert rows["zero2"]["engine"] == "deepspeed" and rows["fsdp2"]["peak"] >= 2.0

@@ -21,7 +21,7 @@ verl imports ``external_lib`` in every worker before it builds an engine
 - ``FSDPEngine.save_checkpoint`` / ``load_checkpoint``: the key (seed, mode, step) is saved beside
   verl's shards and restored on resume, checked against the optimizer's own step count.
 - ``EngineRegistry.new``: an actor this cannot round with the key is refused before it is built
-  (FSDP1, Megatron and the other backends, LoRA, QAT, non-BF16 working weights, CPU offload policy).
+  (FSDP1, Megatron and the other backends, LoRA, QAT, non-BF16 working weights).
 - after every weight sync, the engines' held weights are compared with the key, and dist-sr's
   metrics go into verl's own (``verl_sync``: ``ActorRolloutRefWorker.update_weights``,
   ``ServerAdapter.update_weights``, ``FSDPEngine.train_batch``).
@@ -155,11 +155,9 @@ def check_actor(model_type: str, backend: str, model_config, engine_config) -> N
             f"keyed SR needs FP32 masters; fsdp_config.model_dtype is "
             f"{engine_config.model_dtype!r}: set it to fp32, {fix}"
         )
-    if getattr(engine_config, "offload_policy", False):
-        raise VerlUnsupported(
-            f"keyed SR with fsdp_config.offload_policy=True (FSDP2's CPUOffloadPolicy) is not "
-            f"tested; use param_offload instead, or turn it off, {fix}"
-        )
+    # fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy): the shards are rounded on the host and
+    # their BF16 bits moved for each all-gather (engines/fsdp2/gather.py); param_offload's moves of
+    # the sharded model leave dist-sr holding none of their storage
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):

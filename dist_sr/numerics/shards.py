@@ -6,6 +6,7 @@ mesh dims, whose ranks hold the same shard."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -114,3 +115,59 @@ def _sharding(p) -> tuple[int, int, int, int] | None:
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """A dense run of a local tensor's flat elements ``[local, local + rows * row_len)`` whose row
+    ``r`` holds global flat indices ``[offset + r * row_stride, ... + row_len)`` of the full
+    parameter: a whole parameter or a leading-dim shard is one row (``rows=1``), a column shard
+    (tensor parallelism's row-parallel weight) one row per matrix row."""
+
+    local: int
+    rows: int
+    row_len: int
+    offset: int
+    row_stride: int
+
+    @classmethod
+    def contiguous(cls, local: int, numel: int, offset: int) -> "RowBlock":
+        return cls(local, 1 if numel else 0, numel, offset, numel)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Local flat elements ``[start, start + numel)`` at global offset ``offset``; with ``rows``
+    ``(row_len, row_stride)`` a block of whole rows (``RoundingJob.row_stride``), else contiguous."""
+
+    start: int
+    numel: int
+    offset: int
+    rows: tuple[int, int] | None = None
+
+
+def spans_in_range(blocks: list[RowBlock], start: int, stop: int) -> list[Span]:
+    """The local elements ``[start, stop)`` (a ZeRO partition's fragment of a local shard) as
+    spans whose global indices a rounding job can take: a partial first row, the whole rows
+    (one strided span, or one contiguous span when the rows are adjacent in the parameter) and
+    a partial last row of each block the range crosses."""
+    out: list[Span] = []
+    for b in blocks:
+        lo, hi = max(start, b.local), min(stop, b.local + b.rows * b.row_len)
+        if lo >= hi:
+            continue
+        r0, c0 = divmod(lo - b.local, b.row_len)
+        r1, c1 = divmod(hi - b.local, b.row_len)
+        if r0 == r1:  # inside one row
+            out.append(Span(lo, hi - lo, b.offset + r0 * b.row_stride + c0))
+            continue
+        if c0:  # the tail of row r0
+            out.append(Span(lo, b.row_len - c0, b.offset + r0 * b.row_stride + c0))
+            r0 += 1
+        if r1 > r0:  # whole rows r0 .. r1-1
+            first = b.local + r0 * b.row_len
+            rows = None if b.row_stride == b.row_len or r1 - r0 == 1 else (b.row_len, b.row_stride)
+            out.append(Span(first, (r1 - r0) * b.row_len, b.offset + r0 * b.row_stride, rows))
+        if c1:  # the head of row r1
+            out.append(Span(b.local + r1 * b.row_len, c1, b.offset + r1 * b.row_stride))
+    return out

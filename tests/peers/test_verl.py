@@ -193,6 +193,38 @@ def test_setups_the_key_cannot_cover_are_refused_before_the_model_is_built(tmp_p
     run_workers(_refusal_worker, 1, str(model_dir))
 
 
+def _offload_worker(rank, world, model_dir):
+    """verl's ``param_offload`` helpers on the trained actor: ``offload_fsdp_model_to_cpu`` (on this
+    machine the shards are already on the host: nothing moves, and training goes on keyed), then
+    ``load_fsdp_model_to_gpu`` with the platform's device standing at ``meta``, which moves every
+    shard to another device as the reload from the host does on a GPU: afterwards no dist-sr
+    object refers to any storage (the old shards, the kept BF16 shards)."""
+    import gc
+
+    from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+
+    import tests.peers.verl_cpu as platform
+    from tests.engines.test_fsdp2_offload import storages_held
+
+    engine = build(model_dir)
+    ctx = engine._dist_sr_ctx
+    train(engine, 1)
+    assert bitwise_equal(forward_weights(engine.module, batch(99)), keyed(engine, 1)) == []
+    assert storages_held(ctx)  # the kept BF16 shards and the views of the masters
+    offload_fsdp_model_to_cpu(engine.module)
+    train(engine, 1)
+    assert bitwise_equal(forward_weights(engine.module, batch(99)), keyed(engine, 2)) == []
+    platform.CPUPlatform.current_device = lambda self: "meta"
+    load_fsdp_model_to_gpu(engine.module)  # verl's: model.to(get_device_id(), non_blocking=True)
+    gc.collect()
+    assert storages_held(ctx) == set()
+
+
+def test_verls_param_offload_leaves_dist_sr_holding_no_storage_of_the_moved_shards(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model")
+    run_workers(_offload_worker, 2, str(model_dir))
+
+
 Q = "model.layers.0.self_attn.q_proj.weight"  # the tensor a faulty exporter sends as its FP32 master
 RESULTS_ENV = "DIST_SR_PEER_RESULTS"  # where scripts/peer_stacks.sh reads what the loop test saw
 

@@ -10,13 +10,17 @@ DeepSpeed versions it was tested with (``TESTED``), and refuses any other versio
   the BF16 partitions, every parameter fragment in the local partition is overwritten with
   ``stochastic_round(fp32 fragment)`` keyed by the parameter's name and the fragment's element
   offset inside the parameter (``param._hp_mapping.lp_fragment_address.start``), never a
-  flat-buffer offset (padding depends on the world size). CPU offload takes the same path.
-- ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): after the copy into each sub-group's BF16 partition,
-  every ``param.ds_tensor`` (elements ``[r*pn, (r+1)*pn)`` of the parameter on partition rank ``r``)
-  is overwritten with its keyed rounding.
+  flat-buffer offset (padding depends on the world size). With ``offload_optimizer`` the
+  rounding runs on the host into DeepSpeed's BF16 buffer, which DeepSpeed copies to the device.
+- ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, parameter and optimizer offload included): the copy
+  into each sub-group's BF16 partition (``param.ds_tensor``: elements ``[r*pn, (r+1)*pn)`` of the
+  parameter on partition rank ``r``) is the keyed rounding, run where the masters live.
+- AutoTP shards round with each element's index in the full parameter (``tp``).
 - Checkpoints: after ``engine.load_checkpoint`` (normal or universal, any world size) the BF16
   weights are re-derived from the loaded FP32 master with the restored step, so the RTN copies in
   DeepSpeed's loaders never win.
+
+Where each optimizer keeps what, and the plan that rounds it there, is ``layouts``.
 
 The key's step is ``engine.global_steps`` (saved in every DeepSpeed checkpoint): the rounding
 inside optimizer step ``k`` uses ``k``.
@@ -34,16 +38,16 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import weakref
 from typing import Any
 
 import torch
 
-from ...numerics import RoundingBatch, RoundingJob, live, stochastic_round
+from ...numerics import live, stochastic_round
 from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
 from .config import CONFIG_KEY, SRConfig, agree_with_env, load_ds_config, split_config
-from .version import UnsupportedDeepSpeed, check_universal_reload, check_version
+from .layouts import check_zero_config, layout_for
+from .version import check_universal_reload, check_version
 
 log = logging.getLogger("dist_sr.deepspeed")
 
@@ -69,6 +73,8 @@ def hooked_initialize(original):
         if sr is None:
             return original(*args, **kwargs)
         check_version()  # before any work is done
+        if isinstance(kwargs.get("config"), dict):  # (else attach checks the built engine)
+            check_zero_config(kwargs["config"].get("zero_optimization") or {})
         result = original(*args, **kwargs)
         engine = result[0]
         reason = untrained(engine)
@@ -176,7 +182,6 @@ class DeepSpeedSR:
             if normalize_param_name(n) != self.names[id(p)]
         }
         self._in_step = False
-        self._batches: dict = {}
         self.layout = layout_for(self)
 
     @property
@@ -197,15 +202,10 @@ class DeepSpeedSR:
         """Overwrite this rank's BF16 partition with the keyed rounding of its FP32 master."""
         self.layout.round_local()
 
-    def run(self, key, sources, jobs) -> None:
-        """Round one set of pieces at the current key, through a batch cached under ``key`` and
-        rebuilt when any piece's storage moved (``sources()``: their addresses; ``jobs()``: the
-        ``RoundingJob``s, built only then)."""
-        signature = sources()
-        cached = self._batches.get(key)
-        if cached is None or cached[0] != signature:
-            cached = self._batches[key] = (signature, RoundingBatch(jobs()))
-        cached[1].run(seed=self.seed, step=self.step, mode=self.mode)
+    def release(self) -> None:
+        """Let go of every view of DeepSpeed's partitions (before DeepSpeed moves them); the next
+        rounding plans again where they are then."""
+        self.layout.release()
 
     def install(self) -> None:
         opt, engine = self.optimizer, self.engine
@@ -232,6 +232,14 @@ class DeepSpeedSR:
             return result
 
         engine.load_checkpoint = load_checkpoint
+        original_offload = getattr(opt, "offload_states", None)
+        if original_offload is not None:  # engine.offload_states moves the partitions: hold none of them
+
+            def offload_states(*args, **kwargs):
+                self.release()
+                return original_offload(*args, **kwargs)
+
+            opt.offload_states = offload_states
         self.resync()  # step-0 rounding of the initial master
 
     @torch.no_grad()
@@ -250,234 +258,3 @@ class DeepSpeedSR:
             )
             sums[name] = (sums.get(name, 0) + piece_sum(bits, offset)) & ((1 << 64) - 1)
         return sums
-
-
-class Layout:
-    """Where one kind of DeepSpeed optimizer keeps its masters and BF16 partitions, and which copy
-    site dist-sr patches."""
-
-    def __init__(self, sr: DeepSpeedSR):
-        self.sr, self.opt = sr, sr.optimizer
-
-    def round_local(self) -> None:
-        raise NotImplementedError
-
-    def master_pieces(self):
-        """``(name, FP32 master piece, global offset)`` this rank counts in a digest."""
-        raise NotImplementedError
-
-    def after_step(self) -> None:
-        """Called right after the optimizer's own step (which copied the partition RTN)."""
-
-    def install(self) -> None:
-        """Patch the copy site."""
-
-    def resync(self) -> None:
-        raise NotImplementedError
-
-
-class PairsLayout(Layout):
-    """Layouts whose pieces are (FP32 source, BF16 destination) pairs rounded in one batch."""
-
-    def pairs(self):
-        raise NotImplementedError
-
-    def master_pieces(self):
-        """``(name, FP32 master piece, global offset)`` this rank counts in a digest."""
-        for name, hp, _, offset in self.pairs():
-            yield name, hp, offset
-
-    def round_local(self) -> None:
-        self.sr.run(
-            "local",
-            lambda: tuple((hp.data_ptr(), lp.data_ptr(), hp.numel(), offset) for _, hp, lp, offset in self.pairs()),
-            lambda: [RoundingJob(name, hp.data, lp.data, offset) for name, hp, lp, offset in self.pairs()],
-        )
-
-
-class Stage0Layout(PairsLayout):
-    """ZeRO-0 (``FP16_UnfusedOptimizer``): no partitioning; every rank rounds its full masters
-    after the optimizer's per-parameter RTN copy (nothing gathers after it)."""
-
-    def pairs(self):
-        for fp32_group, lp_group in zip(self.opt.fp32_groups, self.opt.fp16_groups):
-            for hp, lp in zip(fp32_group, lp_group):
-                yield self.sr.names[id(lp)], hp, lp, 0
-
-    def after_step(self) -> None:
-        if not self.opt.overflow:
-            self.round_local()
-
-    def master_pieces(self):
-        if self.sr.engine.global_rank == 0:  # every rank holds every master: count them once
-            yield from super().master_pieces()
-
-    def resync(self) -> None:
-        self.round_local()
-
-
-class FragmentLayout(PairsLayout):
-    """ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: each parameter's fragment of the
-    local partition (``param._hp_mapping``), rounded right before the all-gather of the partitions."""
-
-    def __init__(self, sr: DeepSpeedSR, *, lp_groups: str, groups_flat: str, partitions: str, refresh_model: bool):
-        super().__init__(sr)
-        self.lp_groups, self.groups_flat_attr, self.partitions = lp_groups, groups_flat, partitions
-        self.refresh_model = refresh_model  # ZeRO-1/2 re-points the model's params after the gather
-
-    @property
-    def groups_flat(self):
-        return getattr(self.opt, self.groups_flat_attr)
-
-    def pairs(self):
-        for group in getattr(self.opt, self.lp_groups):
-            for p in group:
-                mapping = getattr(p, "_hp_mapping", None)
-                if mapping is not None:
-                    yield (
-                        self.sr.names[id(p)],
-                        mapping.hp_fragment,
-                        mapping.lp_fragment,
-                        mapping.lp_fragment_address.start,
-                    )
-
-    def install(self) -> None:
-        _install_all_gather_hook(self)
-
-    def resync(self) -> None:
-        opt = self.opt
-        self.round_local()
-        _ORIGINAL_ALL_GATHER["fn"](
-            groups_flat=self.groups_flat,
-            partitioned_param_groups=getattr(opt, self.partitions),
-            dp_process_group=opt.real_dp_process_group,
-            start_alignment_factor=opt.nccl_start_alignment_factor,
-            allgather_bucket_size=opt.allgather_bucket_size,
-        )
-        if self.refresh_model:
-            for i in range(len(getattr(opt, self.lp_groups))):
-                opt._update_model_bit16_weights(i)
-
-
-class Zero3Layout(Layout):
-    """ZeRO-3: each ``param.ds_tensor`` (elements ``[r*pn, (r+1)*pn)`` on partition rank ``r``),
-    rounded after the optimizer's copy into each sub-group's BF16 partition."""
-
-    def round_local(self) -> None:
-        for sub_group_id in range(len(self.opt.fp16_groups)):
-            self.round_sub_group(sub_group_id)
-
-    def master_pieces(self):
-        for sub_group_id in range(len(self.opt.fp16_groups)):
-            for job in self.jobs(sub_group_id):
-                yield job.param, job.x, job.offset
-
-    def round_sub_group(self, sub_group_id: int) -> None:
-        opt = self.opt
-        fp32_flat = opt.fp32_partitioned_groups_flat[sub_group_id]
-        self.sr.run(
-            ("zero3", sub_group_id),
-            lambda: (fp32_flat.data_ptr(), *(part.data_ptr() for part in opt.fp16_partitioned_groups[sub_group_id])),
-            lambda: self.jobs(sub_group_id),
-        )
-
-    def jobs(self, sub_group_id: int) -> list[RoundingJob]:
-        import deepspeed.comm as ds_dist
-
-        opt = self.opt
-        fp32_flat = opt.fp32_partitioned_groups_flat[sub_group_id]
-        rank = ds_dist.get_rank(group=opt.sub_group_process_groups[sub_group_id])
-        jobs, offset = [], 0
-        for param, part in zip(opt.fp16_groups[sub_group_id], opt.fp16_partitioned_groups[sub_group_id]):
-            n = part.ds_numel
-            if n:
-                src = fp32_flat.data.narrow(0, offset, n)
-                jobs.append(RoundingJob(self.sr.names[id(param)], src, part.data.view(-1)[:n], rank * n))
-            offset += n
-        return jobs
-
-    def install(self) -> None:
-        opt = self.opt
-        original = opt._reassign_or_swap_out_partitioned_parameters
-
-        def reassign(sub_group_id):
-            original(sub_group_id)  # the RTN copy and the re-pointing of ds_tensors
-            if opt.fp16_partitioned_groups_flat[sub_group_id] is None:
-                raise NotImplementedError("dist_sr: ZeRO-3 with NVMe parameter swapping is not supported")
-            self.round_sub_group(sub_group_id)
-
-        opt._reassign_or_swap_out_partitioned_parameters = reassign
-
-    def resync(self) -> None:
-        # persistent (small) parameters stay gathered between steps: release their stale full
-        # copies (without writing them back), round the partitions, and gather them again, as
-        # DeepSpeed's own step does
-        persistent = self.opt.persistent_parameters
-        if persistent:
-            persistent[0].partition(persistent, has_been_updated=False)
-        self.round_local()
-        self.opt.checkpoint_event_epilogue()
-
-
-def layout_for(sr: DeepSpeedSR) -> Layout:
-    """The layout of ``sr.optimizer`` (DeepSpeed's classes as of the tested versions)."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    opt = sr.optimizer
-    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-        return Zero3Layout(sr)
-    if isinstance(opt, BF16_Optimizer):
-        return FragmentLayout(
-            sr,
-            lp_groups="bf16_groups",
-            groups_flat="bf16_groups_flat",
-            partitions="bf16_partitioned_groups",
-            refresh_model=False,
-        )
-    if isinstance(opt, DeepSpeedZeroOptimizer):
-        return FragmentLayout(
-            sr,
-            lp_groups="bit16_groups",
-            groups_flat="bit16_groups_flat",
-            partitions="parallel_partitioned_bit16_groups",
-            refresh_model=True,
-        )
-    if isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
-        return Stage0Layout(sr)
-    raise NotImplementedError(
-        f"dist_sr supports ZeRO stages 0-3 (stage 0 through FP16_UnfusedOptimizer); this engine's optimizer "
-        f"is {type(opt).__name__} (ZeRO stage {sr.engine.zero_optimization_stage()}). Use "
-        '"zero_optimization": {"stage": 1} or higher'
-    )
-
-
-# ZeRO-1/2 and BF16_Optimizer copy the partition and then call all_gather_dp_groups(groups_flat=...):
-# the hook rounds the local partition of the engine that owns ``groups_flat`` right before the gather.
-_ENGINES_BY_GROUPS: dict[int, "weakref.ref[FragmentLayout]"] = {}
-_ORIGINAL_ALL_GATHER: dict[str, Any] = {}
-
-
-def _install_all_gather_hook(layout: FragmentLayout) -> None:
-    from deepspeed.runtime import bf16_optimizer
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    if "fn" not in _ORIGINAL_ALL_GATHER:
-        original = stage_1_and_2.all_gather_dp_groups
-        if bf16_optimizer.all_gather_dp_groups is not original:
-            raise UnsupportedDeepSpeed("DeepSpeed's all_gather_dp_groups is already patched by someone else")
-        _ORIGINAL_ALL_GATHER["fn"] = original
-
-        def all_gather_dp_groups(*args, **kwargs):
-            groups_flat = kwargs.get("groups_flat", args[0] if args else None)
-            ref = _ENGINES_BY_GROUPS.get(id(groups_flat))
-            owner = ref() if ref is not None else None
-            if owner is not None and owner.groups_flat is groups_flat:
-                owner.sr.round_local()
-            return original(*args, **kwargs)
-
-        stage_1_and_2.all_gather_dp_groups = all_gather_dp_groups
-        bf16_optimizer.all_gather_dp_groups = all_gather_dp_groups
-    _ENGINES_BY_GROUPS[id(layout.groups_flat)] = weakref.ref(layout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from ...numerics.key import normalize_param_name
 from ...optim import AdamWSR
@@ -64,7 +64,12 @@ def apply_fsdp2(model: nn.Module, precision, config: FSDP2Config | dict | None =
             "name its transformer block class"
         )
     mesh = config.mesh()
+    kwargs: dict = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": config.reshard_after_forward}
+    if config.cpu_offload:  # pinned host memory needs an accelerator
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if ctx is not None:
+        ctx.cache_rounded = config.keep_rounded
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return ctx

@@ -19,6 +19,12 @@ class FSDP2Config:
     reshard_after_forward: bool = True
     # HSDP: shard within groups of world/replicate ranks (e.g. a node), replicate across the groups
     replicate: int = 1
+    # FSDP2's CPUOffloadPolicy: sharded masters (and optimizer states) on the host; with SR the
+    # shards are rounded there and their BF16 bits copied to the device for each all-gather
+    cpu_offload: bool = False
+    # keep each shard's BF16 rounding between the all-gathers of a step (2 bytes per local
+    # parameter; without it every all-gather, the backward re-gather included, rounds again)
+    keep_rounded: bool = True
 
     def __post_init__(self):
         if not isinstance(self.replicate, int) or isinstance(self.replicate, bool) or self.replicate < 1:

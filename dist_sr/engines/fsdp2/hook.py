@@ -80,6 +80,12 @@ class SRContext:
         key last moved, else None."""
         return self.rounder.sent(name)
 
+    def release(self) -> None:
+        """Let go of every view of the masters and every kept BF16 shard (a custom offload that
+        moves the masters without ``.to``/``.cpu`` calls this first); the next all-gather rounds
+        the shards where they are then. A move through ``.to`` releases by itself."""
+        self.rounder.release()
+
     def track(self, optimizer: torch.optim.Optimizer):
         """Advance the key's step after every ``optimizer.step()``; returns the hook handle."""
 
@@ -123,6 +129,7 @@ _KEEP = {
     aten.alias.default,
     aten._to_copy.default,
     aten.empty_like.default,
+    aten._pin_memory.default,  # FSDP2's CPUOffloadPolicy pins the padded shard
 }
 # the casts that would lose the master's low bits: FSDP2's all-gather cast (a foreach copy, or
 # ``.to(param_dtype)`` where it takes its slow path) becomes the keyed rounding; anything else
@@ -235,6 +242,13 @@ def _cast(func, args, kwargs):
         return None
     if func is _TO_COPY:  # FSDP2's per-parameter path: ``.to(param_dtype)``
         if not _lowers(kwargs.get("dtype")):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device) != args[0].device:
+                rounder = args[0]._ctx.rounder
+                moved = rounder.moved(args[0], torch.device(device))  # CPUOffloadPolicy's move to the device
+                if moved is not None:
+                    return moved
+                rounder.release()  # an offload, a reload: hold none of the masters' storage
             return _NOT_A_CAST
         if kwargs["dtype"] != torch.bfloat16 or kwargs.get("device") not in (None, args[0].device):
             raise refusal(args[0]._name, f"a {kwargs['dtype']} copy on {kwargs.get('device')}")
