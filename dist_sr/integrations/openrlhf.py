@@ -209,7 +209,8 @@ class TrainerSR:
             try:
                 record = self.ask_engines(expected)
             except Exception as exc:  # the other ranks must not wait for an answer that never comes
-                record, error = {"metrics": None, "failure": f"{type(exc).__name__}: {exc}", "stop": True}, exc
+                failure = f"dist-sr held-weights check failed on rank 0: {type(exc).__name__}: {exc}"
+                record, error = {"metrics": None, "failure": failure, "stop": True, "crashed": True}, exc
         box = [record]
         dist.broadcast_object_list(box, src=0)
         record = box[0]
@@ -217,8 +218,9 @@ class TrainerSR:
             raise error
         self.last = record["metrics"]
         if record["failure"] is not None and record["stop"]:
-            kind = EngineUnreachable if record.get("unreachable") else HeldWeightsMismatch
-            raise kind(record["failure"])
+            if record.get("crashed"):
+                raise RuntimeError(record["failure"])
+            raise (EngineUnreachable if record.get("unreachable") else HeldWeightsMismatch)(record["failure"])
 
     def ask_engines(self, expected: dict) -> dict:
         """Rank 0: every engine's ``dist_sr_held_weights`` answers checked against ``expected``."""

@@ -122,7 +122,8 @@ def engine_loop(actor) -> asyncio.AbstractEventLoop:
 
 def start_rpc(actor, method: str) -> str:
     """Hand ``actor.llm.collective_rpc(method)`` to the engine's loop; a token for ``poll_rpc``."""
-    future = asyncio.run_coroutine_threadsafe(actor.llm.collective_rpc(method), engine_loop(actor))
+    loop = engine_loop(actor)  # first: it names what the actor lacks
+    future = asyncio.run_coroutine_threadsafe(actor.llm.collective_rpc(method), loop)
     token = uuid.uuid4().hex
     actor.__dict__.setdefault(PENDING, {})[token] = future
     return token

@@ -123,3 +123,23 @@ def shut_down(actor) -> None:
     """Run in a ``RolloutRayActor`` (``__ray_call__``): stop its vLLM engine and the engine-core
     process it started, before the actor itself is killed."""
     actor.llm.shutdown()
+
+
+class EngineStandIn:
+    """An async Ray actor shaped like OpenRLHF's ``RolloutRayActor`` for the reach's own tests: its
+    ``.llm`` answers ``collective_rpc`` on the actor's event loop after ``delay_s`` (``None``: no
+    ``.llm`` at all, as an actor that is not a vLLM engine)."""
+
+    async def __init__(self, delay_s: float | None):
+        import asyncio
+
+        class LLM:
+            def __init__(self):
+                self.output_handler = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+
+            async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+                await asyncio.sleep(delay_s)
+                return [{"method": method, "worker": 0}]
+
+        if delay_s is not None:
+            self.llm = LLM()

@@ -352,6 +352,33 @@ def test_openrlhfs_own_loop_and_engine_hold_the_keyed_bits_and_a_master_pushed_i
     )
 
 
+def test_engines_in_async_ray_actors_answer_through_ray_call_and_one_that_cannot_is_named():
+    """``ray_engines`` against Ray 2.55 itself: answers come back from the actor's event loop, an
+    actor without an engine and one that answers too late are each named."""
+    from tests.peers import openrlhf_cpu, openrlhf_worker
+
+    # isort: split
+
+    import ray
+
+    from dist_sr.integrations.ray_engines import EngineUnreachable, collective_rpc
+
+    openrlhf_cpu.start_ray()
+    try:
+        actor = ray.remote(openrlhf_worker.EngineStandIn)
+        quick, none, slow = (actor.options(num_cpus=0).remote(d) for d in (0.2, None, 30.0))
+        names = ["vLLM engine 0", "vLLM engine 1", "vLLM engine 2"]
+        assert collective_rpc([quick], "dist_sr_held_weights", names=names[:1]) == [
+            [{"method": "dist_sr_held_weights", "worker": 0}]
+        ]
+        with pytest.raises(EngineUnreachable, match="vLLM engine 1: EngineUnreachable: .* no vLLM engine"):
+            collective_rpc([quick, none], "dist_sr_held_weights", names=names[:2])
+        with pytest.raises(EngineUnreachable, match="vLLM engine 2: no answer to dist_sr_held_weights within 2 s"):
+            collective_rpc([quick, slow], "dist_sr_held_weights", names=[names[0], names[2]], timeout_s=2)
+    finally:
+        ray.shutdown()
+
+
 def test_a_policy_without_keyed_sr_is_refused_when_dist_sr_seed_asks_for_it(monkeypatch):
     """What a process where the hook did not attach SR would meet at ``ActorPPOTrainer``."""
     from tests.peers import openrlhf_cpu  # noqa: F401  (flash-attn stand-in first)
