@@ -13,8 +13,6 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import ROOT
 
 PACKAGE = ROOT / "dist_sr"
@@ -236,6 +234,5 @@ def private_attributes(package: Path = PACKAGE) -> list[str]:
 THEIRS = {"_devices": "torch's ProcessGroupGloo options"}
 
 
-@pytest.mark.xfail(strict=True, reason="in progress: SRShadowParam's and verl's reach-ins (lead, issue 42)")
 def test_no_module_reaches_into_another_modules_private_attributes():
     assert [f for f in private_attributes() if f.split(" reaches ")[1].split(" of ")[0] not in THEIRS] == []

@@ -48,7 +48,7 @@ import torch
 
 from ..config import ConfigError
 from ..engines import fsdp2
-from ..engines.fsdp2.hook import SRShadowParam
+from ..engines.fsdp2.hook import SRShadowParam, master_dtensor
 from ..engines.fsdp2.source import FSDP2Source
 from ..numerics.key import check_mode, normalize_param_name
 from . import verl_sync
@@ -172,11 +172,9 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         if not (isinstance(t, DTensor) and isinstance(t._local_tensor, SRShadowParam)):
             continue
         if export is None:  # the master behind the wrapper, same placements
-            state_dict[name] = DTensor.from_local(
-                t._local_tensor._data, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False
-            )
+            state_dict[name] = master_dtensor(t)
         else:
-            state_dict[name] = export.working(t._local_tensor._name, params)
+            state_dict[name] = export.working(t._local_tensor.param_name, params)
 
 
 class _exporting:
@@ -243,7 +241,7 @@ def enable() -> None:
         return new(cls, model_type, backend, *args, **kwargs)
 
     def _build_fsdp_module(self, module):
-        self._dist_sr_ctx = None
+        verl_sync.set_key_context(self, None)
         if not _is_trained_actor(self):
             return build_fsdp(self, module)
         check_actor("language_model", self.engine_config.strategy, self.model_config, self.engine_config)
@@ -254,7 +252,7 @@ def enable() -> None:
         module.register_state_dict_post_hook(_state_dict_hook)
         module._dist_sr_export = None
         ctx.masters_changed()  # verl loaded the full state dict into the shards
-        self._dist_sr_ctx = ctx
+        verl_sync.set_key_context(self, ctx)
         verl_sync.actor_built(self, module)
         if self.rank == 0:
             log.info("dist-sr: keyed SR on the actor (seed %d, mode %s): %d parameters", seed, mode, len(ctx.names))
@@ -270,19 +268,20 @@ def enable() -> None:
 
     def _build_optimizer(self, module):
         optimizer = build_opt(self, module)
-        if getattr(self, "_dist_sr_ctx", None) is not None:
-            self._dist_sr_ctx.track(optimizer)
+        ctx = verl_sync.key_context(self)
+        if ctx is not None:
+            ctx.track(optimizer)
         return optimizer
 
     def get_per_tensor_param(self, *args, **kwargs):
-        ctx = getattr(self, "_dist_sr_ctx", None)
+        ctx = verl_sync.key_context(self)
         if ctx is None:
             return per_tensor(self, *args, **kwargs)
         with _exporting(self.module, ctx):  # verl reads state_dict() eagerly; its generator gathers later
             return per_tensor(self, *args, **kwargs)
 
     def get_per_tensor_param_shard(self, *args, **kwargs):
-        ctx = getattr(self, "_dist_sr_ctx", None)
+        ctx = verl_sync.key_context(self)
         if ctx is None:
             return per_shard(self, *args, **kwargs)
         with _exporting(self.module, ctx):
@@ -290,7 +289,7 @@ def enable() -> None:
 
     def save_checkpoint(self, local_path, *args, **kwargs):
         result = save(self, local_path, *args, **kwargs)
-        ctx = getattr(self, "_dist_sr_ctx", None)
+        ctx = verl_sync.key_context(self)
         if ctx is not None:
             if self.rank == 0:
                 path = Path(local_path) / KEY_FILE
@@ -302,7 +301,7 @@ def enable() -> None:
 
     def load_checkpoint(self, local_path, *args, **kwargs):
         result = load(self, local_path, *args, **kwargs)
-        ctx = getattr(self, "_dist_sr_ctx", None)
+        ctx = verl_sync.key_context(self)
         if ctx is None:
             return result
         steps = _optimizer_steps(self.optimizer) if self.optimizer is not None else None

@@ -69,6 +69,19 @@ ROLLOUT_SIDE = "checkpoint engine, rollout side: the engine against what arrived
 _EXPORT_TAP: contextvars.ContextVar = contextvars.ContextVar("dist_sr_export_tap", default=None)
 
 
+def key_context(engine):
+    """The ``SRContext`` the patched build attached to verl's ``engine`` (its trained actor), or
+    None for an engine built without keyed SR (the reference model, a critic)."""
+    return getattr(engine, _CTX, None)
+
+
+def set_key_context(engine, ctx) -> None:
+    setattr(engine, _CTX, ctx)
+
+
+_CTX = "_dist_sr_ctx"  # on verl's engine object: a name verl's own attributes never take
+
+
 class StreamDigests:
     """Digest entries ``{name: (dtype, shape, sum)}`` of a weight stream's tensors, taken as they
     pass, as the engine stores them: floating tensors in ``dtype`` (vLLM's load copies each into
@@ -209,7 +222,7 @@ def keyed_entries(engine) -> Entries:
     from verl.utils.model import convert_weight_keys
 
     world = dist.get_world_size()
-    entries = digest_entries(FSDP2Source(engine.module, engine._dist_sr_ctx, dist.get_rank(), world), world)
+    entries = digest_entries(FSDP2Source(engine.module, key_context(engine), dist.get_rank(), world), world)
     return convert_weight_keys(entries, getattr(engine.module, "_fsdp_wrapped_module", engine.module))
 
 
@@ -309,7 +322,7 @@ def _update_weights_checked(update):
         import torch.distributed as dist
 
         engine = getattr(getattr(self, "actor", None), "engine", None)
-        if getattr(engine, "_dist_sr_ctx", None) is None:
+        if key_context(engine) is None:
             return await update(self, global_steps=global_steps, mode=mode)
         rollout = getattr(self, "rollout", None)
         backend = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
@@ -429,7 +442,7 @@ def _train_batch_measured(train):
     @functools.wraps(train)
     def train_batch(self, data, loss_function):
         output = train(self, data, loss_function)
-        if getattr(self, "_dist_sr_ctx", None) is not None:
+        if key_context(self) is not None:
             metrics = step_metrics(self, data)  # collective: every rank
             if self.is_mp_src_rank_with_outputs():
                 output["metrics"].update(metrics)
@@ -451,7 +464,7 @@ def observe_changes(engine, module=None, *, restart: bool = False) -> float | No
     else:
         first = False
     module = engine.module if module is None else module
-    source = FSDP2Source(module, engine._dist_sr_ctx, dist.get_rank(), dist.get_world_size())
+    source = FSDP2Source(module, key_context(engine), dist.get_rank(), dist.get_world_size())
     changed, sampled = engine._dist_sr_changes.observe(source.local_pieces([m[0] for m in source.metadata()]))
     counts = torch.tensor([changed, sampled], dtype=torch.float64)
     dist.all_reduce(counts)
@@ -471,7 +484,7 @@ def step_metrics(engine, data) -> dict[str, list[float]]:
     one value per metric in a list."""
     from verl.utils import tensordict_utils as tu
 
-    ctx = engine._dist_sr_ctx
+    ctx = key_context(engine)
     out = {}
     changed = observe_changes(engine)
     if changed is not None:

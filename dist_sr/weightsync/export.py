@@ -111,7 +111,7 @@ def _fsdp2_source(module: nn.Module, root):
     for p in module.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         if isinstance(local, SRShadowParam):
-            ctx = local._ctx
+            ctx = local.sr_context
             break
     param_dtype = root._get_fsdp_state()._mp_policy.param_dtype
     rank, world = _rank_world()
@@ -145,7 +145,7 @@ def rollout_weights(obj) -> Iterator[tuple[str, torch.Tensor]]:
             )
         name = normalize_param_name(name)
         if isinstance(p, SRShadowParam):
-            yield name, export_bf16(name, p, key=p._ctx)
+            yield name, export_bf16(name, p, key=p.sr_context)
         else:
             yield name, p.detach()
 

@@ -21,7 +21,7 @@ from ...sources import add_rank_sums, layout_free_digest
 from ..base import TrainSettings
 from ..checkpoints import choose_verified, prune_checkpoints, write_atomic, write_manifest
 from .apply import apply_fsdp2, pure_bf16_optimizer
-from .hook import sharded_state_dict
+from .hook import plain, sharded_state_dict
 from .source import FSDP2Source, sent_sums
 
 
@@ -174,6 +174,6 @@ def _all_finite(state) -> bool:
         return all(_all_finite(v) for v in state)
     if isinstance(state, torch.Tensor):
         local = state.to_local() if isinstance(state, DTensor) else state
-        local = local._data if hasattr(local, "_data") else local  # an SR shadow's FP32 storage
+        local = plain(local)  # an SR shadow's FP32 storage
         return not local.is_floating_point() or bool(torch.isfinite(local).all())
     return True

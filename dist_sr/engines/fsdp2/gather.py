@@ -50,7 +50,7 @@ class KeyState(Protocol):
 
 
 # ``src`` below is an ``SRShadowParam`` (hook.py), the FP32 master as FSDP2 hands it to its cast:
-# ``src._data`` the plain FP32 tensor, ``src._name`` the name it is keyed by.
+# ``src.master`` the plain FP32 tensor, ``src.param_name`` the name it is keyed by.
 Shadow = Any
 
 
@@ -117,23 +117,23 @@ class ShardRounder:
         """FSDP2's foreach copy-in: write each all-gather input ``src``'s bits into ``out``."""
         ctx = self.ctx
         if not ctx.cache_rounded:  # round afresh into FSDP2's buffer: one call for the group
-            jobs = [self.layout_of(src).job(src._name, src._data, out) for src, out in pairs]
+            jobs = [self.layout_of(src).job(src.param_name, src.master, out) for src, out in pairs]
             round_jobs(jobs, seed=ctx.seed, step=ctx.step, mode=ctx.mode, backend=ctx.backend)
             self._record([(job.param, out, job.offset) for job, (_, out) in zip(jobs, pairs)])
             return
-        where = tuple(src._data.data_ptr() for src, _ in pairs)
+        where = tuple(src.master.data_ptr() for src, _ in pairs)
         group = self._groups.get(where)
         if group is None:
             for src, _ in pairs:  # every shard checked before any bits are taken: a re-read rebuilds the batch
                 self._check(src)
             if self._stale():
                 self._round_all()
-            kept = [self._kept[src._name] for src, _ in pairs]
+            kept = [self._kept[src.param_name] for src, _ in pairs]
             group = self._groups[where] = ([bits for bits, _ in kept], [offset for _, offset in kept])
         elif self._stale():
             self._round_all()
         torch._foreach_copy_([out for _, out in pairs], group[0])
-        self._record([(src._name, bits, offset) for (src, _), bits, offset in zip(pairs, *group)])
+        self._record([(src.param_name, bits, offset) for (src, _), bits, offset in zip(pairs, *group)])
 
     def one(self, src: Shadow) -> torch.Tensor:
         """FSDP2's per-parameter cast (``.to(param_dtype)``): the bits of ``src``, shaped like it.
@@ -145,29 +145,29 @@ class ShardRounder:
         else:
             bits, offset = self._fresh(src)
         if ctx.record_gathers:
-            self._record([(src._name, bits, offset)])
+            self._record([(src.param_name, bits, offset)])
         return bits if bits.shape == src.shape else bits.view(src.shape)
 
     def moved(self, src: Shadow, device: torch.device) -> "MovedShard | None":
         """FSDP2's move of an offloaded all-gather input to ``device`` (``CPUOffloadPolicy``):
         its BF16 bits, rounded on the host, copied there (None: not such a move, which then
         runs as any copy of the master does)."""
-        gathered_on = self._gathered_on(src._data)
+        gathered_on = self._gathered_on(src.master)
         if gathered_on is None or gathered_on != device:
             return None
         bits, offset = self.current(src) if self.ctx.cache_rounded else self._fresh(src)
         if self.ctx.record_gathers:
-            self._record([(src._name, bits, offset)])
+            self._record([(src.param_name, bits, offset)])
         pinned = bits.is_pinned()
         on_device = bits.to(device, non_blocking=pinned)
         if pinned and on_device.is_cuda:
             self._moving = torch.cuda.Event()
             self._moving.record()
-        return MovedShard(on_device.view(src.shape), src._name)
+        return MovedShard(on_device.view(src.shape), src.param_name)
 
     def _fresh(self, src: Shadow) -> tuple[torch.Tensor, int]:
         ctx, layout = self.ctx, self.layout_of(src)
-        job = layout.job(src._name, src._data, torch.empty(layout.numel, dtype=torch.bfloat16, device=src.device))
+        job = layout.job(src.param_name, src.master, torch.empty(layout.numel, dtype=torch.bfloat16, device=src.device))
         round_jobs([job], seed=ctx.seed, step=ctx.step, mode=ctx.mode, backend=ctx.backend)
         return job.out.view(-1), job.offset
 
@@ -184,12 +184,12 @@ class ShardRounder:
         self._check(src)
         if self._stale():
             self._round_all()
-        return self._kept[src._name]
+        return self._kept[src.param_name]
 
     def _check(self, src: Shadow) -> None:
         """Refuse anything but an all-gather input; read the layouts again for a re-created shard."""
-        layout = self.layouts.get(src._name)
-        if layout is None or not layout.holds(src._data):
+        layout = self.layouts.get(src.param_name)
+        if layout is None or not layout.holds(src.master):
             self.layout_of(src)
 
     def _stale(self) -> bool:
@@ -250,12 +250,12 @@ class ShardRounder:
         """Where the all-gather input ``src`` lies in its full parameter. Read from the model's
         sharded parameters when first needed and again when FSDP2 has re-created a shard; refuses
         a tensor that is not a whole padded shard FSDP2 made of a parameter wrapped here."""
-        layout = self.layouts.get(src._name)
-        if layout is None or not layout.holds(src._data):
+        layout = self.layouts.get(src.param_name)
+        if layout is None or not layout.holds(src.master):
             self._read_layouts()
-            layout = self.layouts.get(src._name)
-        if layout is None or not layout.holds(src._data):
-            raise refusal(src._name, "a BF16 copy (not an all-gather input FSDP2 made of it)")
+            layout = self.layouts.get(src.param_name)
+        if layout is None or not layout.holds(src.master):
+            raise refusal(src.param_name, "a BF16 copy (not an all-gather input FSDP2 made of it)")
         return layout
 
     def _read_layouts(self) -> None:
@@ -269,9 +269,9 @@ class ShardRounder:
             # a cast is being dispatched come out plain
             local = getattr(p, "_local_tensor", None)
             if getattr(local, "_ctx", None) is self.ctx:
-                found[local._name] = GatherLayout.of(  # type: ignore[union-attr]
+                found[local.param_name] = GatherLayout.of(  # type: ignore[union-attr]
                     *padded_shard(p),
-                    local._data,  # type: ignore[union-attr]
+                    local.master,  # type: ignore[union-attr]
                     gathered_on.get(id(p)),
                 )
         # a parameter unsharded right now keeps its layout: a shard of it re-created since fails
@@ -341,6 +341,11 @@ class MovedShard(torch.Tensor):
     def __init__(self, bits: torch.Tensor, name: str):
         self._bits, self._name = bits, name
 
+    @property
+    def param_name(self) -> str:
+        """The name the rounding key uses for it (as ``SRShadowParam.param_name``)."""
+        return self._name
+
     def __repr__(self) -> str:
         return f"MovedShard({self._name!r}, {self._bits!r})"
 
@@ -352,11 +357,11 @@ class MovedShard(torch.Tensor):
             if kwargs.get("device") in (None, src.device):
                 return src._bits
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return MovedShard(src._bits, src._name)
+            return MovedShard(src._bits, src.param_name)
         if func is torch.ops.aten.view.default:
-            return MovedShard(src._bits.view(args[1]), src._name)
+            return MovedShard(src._bits.view(args[1]), src.param_name)
         raise NotImplementedError(
-            f"{func} on the device copy of the offloaded FP32 master of {src._name!r}: under FSDP2's "
+            f"{func} on the device copy of the offloaded FP32 master of {src.param_name!r}: under FSDP2's "
             "CPUOffloadPolicy dist-sr moves only its keyed BF16 bits for the all-gather; read the master "
             "on the host with fsdp2.plain(param)"
         )

@@ -184,6 +184,21 @@ class SRShadowParam(torch.Tensor):
     def __init__(self, data: torch.Tensor, ctx: SRContext, name: str):
         self._data, self._ctx, self._name = data, ctx, name
 
+    @property
+    def master(self) -> torch.Tensor:
+        """The plain FP32 tensor this parameter stands for (what optimizers and checkpoints see)."""
+        return self._data
+
+    @property
+    def param_name(self) -> str:
+        """The name the rounding key uses for it (a tied weight's first name)."""
+        return self._name
+
+    @property
+    def sr_context(self) -> SRContext:
+        """The key's shared state (seed, mode, step) it is rounded with."""
+        return self._ctx
+
     def __repr__(self) -> str:
         return f"SRShadowParam({self._name!r}, {self._data!r})"
 
@@ -301,16 +316,19 @@ def sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's sharded FP32 masters as DTensors over plain local tensors, for
     ``torch.distributed.checkpoint``: saving writes the masters, loading (at any world size)
     writes into them in place; the BF16 weights are re-derived at the next all-gather."""
+    return {name: master_dtensor(p) for name, p in model.state_dict().items()}
+
+
+def master_dtensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor whose local shard is an ``SRShadowParam``, as a DTensor over that shard's plain
+    FP32 master (same mesh and placements); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
-    for name, p in model.state_dict().items():
-        if isinstance(p, DTensor) and isinstance(p._local_tensor, SRShadowParam):
-            p = DTensor.from_local(
-                p._local_tensor._data, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
-            )
-        out[name] = p
-    return out
+    if not (isinstance(t, DTensor) and isinstance(t._local_tensor, SRShadowParam)):
+        return t
+    return DTensor.from_local(
+        t._local_tensor.master, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False
+    )
 
 
 def full_master(model: nn.Module) -> dict[str, torch.Tensor]:
