@@ -61,7 +61,7 @@ from dist_sr.rl.warmup import warmup_checkpoint  # noqa: E402
 from dist_sr.rollout.base import register_rollout_engine, rollout_engine_names  # noqa: E402
 from dist_sr.rollout.vllm.engine import VLLMFleetEngine  # noqa: E402
 from dist_sr.sources import LocalPiece, Meta  # noqa: E402
-from tests.vllm_engines import EngineProcess, vllm_missing  # noqa: E402
+from dist_sr.testing.vllm_engines import EngineProcess, vllm_missing  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import synchronize  # noqa: E402
 from dist_sr.rollout.vllm.control import controls  # noqa: E402
 from dist_sr.sources import ReplicatedSource  # noqa: E402
+from dist_sr.testing.vllm_engines import free_port, start_receiver  # noqa: E402
 from dist_sr.weightsync.sync import WeightSync  # noqa: E402
-from tests.vllm_engines import free_port, start_receiver  # noqa: E402
 
 
 def device_copy(n_bytes: int, device: torch.device, repeats: int) -> float:

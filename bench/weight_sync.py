@@ -38,8 +38,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dist_sr.testing.vllm_engines import EngineProcess, free_port, save_tiny_model, vllm_missing  # noqa: E402
 from dist_sr.weightsync import auth  # noqa: E402
-from tests.vllm_engines import EngineProcess, free_port, save_tiny_model, vllm_missing  # noqa: E402
 
 os.environ.setdefault(auth.ENV, auth.generate())  # the engines and receivers it starts share it
 

@@ -26,7 +26,7 @@ LAYERS = [
     ("weightsync",),
     ("rollout",),
     ("rl",),
-    ("launch", "integrations"),
+    ("launch", "integrations", "testing"),
     ("__init__",),  # dist_sr/__init__.py: the public names
 ]
 LEVEL = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

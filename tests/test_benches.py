@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from dist_sr.testing.vllm_engines import vllm_missing
 from tests.conftest import ROOT
-from tests.vllm_engines import vllm_missing
 
 
 def test_the_train_step_bench_steps_every_fsdp2_variant_on_the_cpu(tmp_path):

@@ -16,8 +16,8 @@ from dist_sr.rl.config import to_dict
 from dist_sr.rl.metrics import read_metrics
 from dist_sr.rl.warmup import warmup_checkpoint
 from dist_sr.rollout.vllm.control import VLLMControl
+from dist_sr.testing.vllm_engines import REPO, free_port, start_receiver
 from tests.engines.test_checkpoint_fuzz import pickle_region
-from tests.vllm_engines import REPO, free_port, start_receiver
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 6, 2  # checkpoints after steps 2, 4, 6

@@ -10,8 +10,8 @@ import pytest
 
 from dist_sr.rl.compare import cells, load_compare, run_comparison, run_dir
 from dist_sr.rl.metrics import read_metrics
+from dist_sr.testing.vllm_engines import VLLM_PYTHON, vllm_missing
 from tests.conftest import ROOT
-from tests.vllm_engines import VLLM_PYTHON, vllm_missing
 
 from .gguf_files import tiny_llama, write_gguf
 

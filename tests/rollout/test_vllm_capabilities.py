@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
+from dist_sr.testing.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
 
 pytestmark = pytest.mark.slow
 

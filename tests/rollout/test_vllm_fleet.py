@@ -15,10 +15,10 @@ from dist_sr.engines import make_engine
 from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.rollout.vllm.control import VLLMControl, controls
 from dist_sr.sources import ReplicatedSource
+from dist_sr.testing.vllm_engines import EngineProcess, complete, free_port, save_tiny_model, vllm_missing
 from dist_sr.weightsync.control import NoReadyEngineError
 from dist_sr.weightsync.sync import WeightSync
 from tests.dist_utils import run_workers
-from tests.vllm_engines import EngineProcess, complete, free_port, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 2, 3, 4, 5, 10], [9, 8, 7, 10], [0, 0, 1, 10], [3, 1, 4, 1, 5, 9, 2, 10]]

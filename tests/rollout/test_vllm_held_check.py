@@ -16,7 +16,7 @@ from dist_sr import export_bf16
 from dist_sr.engines import fsdp2
 from dist_sr.numerics.digest import tensor_sums
 from dist_sr.rollout.vllm.check import WAITING, check_engine
-from tests.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
+from dist_sr.testing.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
 SEED = 11

@@ -14,7 +14,7 @@ from dist_sr import export_bf16, stochastic_round
 from dist_sr.engines import fsdp2
 from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.rollout.vllm.native import digest_entries
-from tests.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
+from dist_sr.testing.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
 SEED = 5

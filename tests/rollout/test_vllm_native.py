@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from dist_sr.rollout.vllm.native import SignedClient, check_held
+from dist_sr.testing.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
 from dist_sr.weightsync.control import EngineError
-from tests.vllm_engines import REPO, VLLM_PYTHON, save_tiny_model, vllm_missing
 
 pytestmark = pytest.mark.slow
 

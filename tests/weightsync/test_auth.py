@@ -16,11 +16,11 @@ import torch
 from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.rollout.vllm.control import VLLMControl, controls
 from dist_sr.sources import ReplicatedSource
+from dist_sr.testing.vllm_engines import REPO, free_port, start_receiver
 from dist_sr.weightsync import auth
 from dist_sr.weightsync.control import EngineError
 from dist_sr.weightsync.sync import WeightSync
 from dist_sr.weightsync.transport import open_store
-from tests.vllm_engines import REPO, free_port, start_receiver
 
 SECRET = os.environ["DIST_SR_SYNC_SECRET"].encode()  # tests/conftest.py: this session's
 OTHER = b"an-attacker-who-guessed-wrong-0123456789"

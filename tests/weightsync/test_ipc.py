@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from dist_sr.net import free_port
+from dist_sr.testing.vllm_engines import REPO
 from dist_sr.weightsync import ipc
 from dist_sr.weightsync.ipc import SHM_DIR, IpcError, IpcGroup
 from dist_sr.weightsync.transport import Channel, Packer, receive_buckets, send_sized, transfer_group
-from tests.vllm_engines import REPO
 
 
 def _store():

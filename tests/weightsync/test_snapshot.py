@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dist_sr.engines.checkpoints import verify_manifest, write_manifest
 from dist_sr.launch.cli import main
 from dist_sr.sources import ReplicatedSource, layout_free_digest
+from dist_sr.testing.vllm_engines import REPO, save_tiny_model
 from dist_sr.weightsync.snapshot import (
     CHAIN,
     OutputRefused,
@@ -25,7 +26,6 @@ from dist_sr.weightsync.snapshot import (
     materialize,
     write_snapshot,
 )
-from tests.vllm_engines import REPO, save_tiny_model
 
 
 def test_a_snapshot_reloads_bit_for_bit_and_current_moves_atomically(tmp_path):

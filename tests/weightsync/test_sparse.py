@@ -11,8 +11,8 @@ import torch
 from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.numerics.rounding import stochastic_round
 from dist_sr.sources import ReplicatedSource
+from dist_sr.testing.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
 from dist_sr.weightsync.sparse import SparseExport, SparseUnsupported, differing, sparse_patch, to_vllm
-from tests.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
 
 # 16-bit codes at the awkward places (+-0, subnormals, the largest finite, +-Inf, NaN payloads,
 # exponent boundaries), and what each becomes: -0 <-> +0, subnormal steps, Inf <-> largest finite,

