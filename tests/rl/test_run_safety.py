@@ -111,13 +111,14 @@ def cfg_metrics(cfg):
 
 
 def _no_warmup(monkeypatch):
-    """Fail the test if a refusal came after compute had started (the warm-up is the first)."""
+    """Fail the test if a refusal came after compute had started (the start checkpoint, warmed up
+    or cast, is the first)."""
     import dist_sr.rl.trainer as trainer
 
     def warmup(*a, **k):
         raise AssertionError("compute started before the refusal")
 
-    monkeypatch.setattr(trainer, "warmup_checkpoint", warmup)
+    monkeypatch.setattr(trainer, "start_checkpoint", warmup)
     monkeypatch.setattr(trainer, "load_pretrained", warmup)
 
 

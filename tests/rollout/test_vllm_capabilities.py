@@ -56,9 +56,9 @@ def test_the_installed_vllm_offers_every_api_the_backend_and_the_record_need():
 def test_a_vllm_without_the_apis_is_refused_naming_what_is_missing():
     if vllm_missing():
         pytest.skip(f"vLLM engine tests: {vllm_missing()}")
-    caps = probe("vllm.distributed.weight_transfer.base", "vllm.model_executor.model_loader.default_loader")
+    caps = probe("vllm.distributed.weight_transfer.base", "vllm.model_executor.model_loader.base_loader")
     assert "vllm.distributed.weight_transfer.base" in caps["backend"] and caps["version"] in caps["backend"]
     assert caps["constructed"].startswith("RuntimeError: dist-sr's weight-transfer backend needs")  # not a TypeError
-    assert "vllm.model_executor.model_loader.default_loader" in caps["record"]
+    assert "vllm.model_executor.model_loader.base_loader" in caps["record"]
     # the RPC says why nothing was recorded, not that the plugin "must be installed"
-    assert "vllm.model_executor.model_loader.default_loader" in caps["report"] and "installed" not in caps["report"]
+    assert "vllm.model_executor.model_loader.base_loader" in caps["report"] and "installed" not in caps["report"]
