@@ -23,7 +23,7 @@ from .interpret import interpreting
 # DIST_SR_TRITON_{SR,ADAMW}_{BLOCK,WARPS} override them (bench/triton_tune.py measures the choices).
 # The defaults are bench/triton_tune.py's picks on an H200 (2026-11-30): the SR cast at 8192 x 16
 # took 0.391 ms at 2^28 elements, as long as the device copy of the same bytes (4096 x 8: 0.448);
-# fused AdamW+SR was fastest at 1024 x 4 in both flavours (docs/gpu-check-h200.md).
+# fused AdamW+SR was fastest at 1024 x 4 in both flavours (docs/runs.md, 2026-11-30).
 SR_BLOCK = int(os.environ.get("DIST_SR_TRITON_SR_BLOCK", 8192))
 SR_WARPS = int(os.environ.get("DIST_SR_TRITON_SR_WARPS", 16))
 ADAMW_BLOCK = int(os.environ.get("DIST_SR_TRITON_ADAMW_BLOCK", 1024))
