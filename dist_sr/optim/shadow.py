@@ -399,57 +399,65 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
     def _ensure_plan(self) -> AdamWPlan:
         """The fused plan over (shadow, moments, working weight) of every parameter, rebuilt when
         any of those tensors was replaced (a loaded state dict, a moved model)."""
-        state = self.inner.state
-        capturable = self._counter.capturable
-        if self._plan is not None:  # the usual step: same moments, same working storage (C-level passes)
-            states: list[Any] = list(map(state.get, self._shadows))
-            same = (
-                all(map(is_, states, self._plan_states))
-                and all(map(is_, map(_EXP_AVG, states), self._plan_moments[0]))
-                and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_moments[1]))
-                and all(map(is_, map(_STEP, states), self._plan_moments[2]))
-            )
-            if not same or list(map(torch.Tensor.data_ptr, self._workings)) != self._plan_addresses:
-                self._plan = None
+        if self._plan is not None and not self._plan_is_current():
+            self._plan = None
         if self._plan is None:
-            if capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if self._counter.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "ShadowAdamW(capturable=True): run one step before capturing it in a CUDA graph "
                     "(the first step builds the fused plan and the optimizer state)"
                 )
-            for _, _, s in self._pairs:
-                if not state.get(s):  # torch.optim.AdamW's layout, so checkpoints interchange
-                    step = torch.zeros((), dtype=torch.float32, device=s.device if capturable else "cpu")
-                    state[s] = {
-                        "step": step,
-                        "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format),
-                    }
-            self._plan = AdamWPlan(
-                [AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data) for n, p, s in self._pairs],
-                backend=self.backend,
-            )
-            self._plan_addresses = [p.data_ptr() for _, p, _ in self._pairs]
-            self._adam_steps = np.asarray([int(state[s]["step"]) for _, _, s in self._pairs], dtype=np.int64)
-            if not capturable:
-                # torch.optim.AdamW's per-parameter step tensors, as 0-dim views of one buffer: a step
-                # advances them all in one operation (a foreach add over 290 CPU scalars costs ~0.3 ms);
-                # state_dict() hands out copies
-                self._step_buffer = torch.tensor(self._adam_steps.tolist(), dtype=torch.float32)
-                for i, (_, _, s) in enumerate(self._pairs):
-                    state[s]["step"] = self._step_buffer[i]
-            if capturable:
-                if set(self._adam_steps) - {self.step_count}:
-                    raise ValueError(
-                        "ShadowAdamW(capturable=True) steps every parameter together: the loaded Adam "
-                        f"steps {sorted(set(self._adam_steps))} differ from the key's step {self.step_count}"
-                    )
-                for _, _, s in self._pairs:  # capturable: Adam's step lives beside the state, on the device
-                    state[s]["step"] = state[s]["step"].to(s.device)
-                self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
-            self._plan_states = [state[s] for s in self._shadows]
-            self._plan_moments = [list(map(get, self._plan_states)) for get in (_EXP_AVG, _EXP_AVG_SQ, _STEP)]
+            self._build_plan()
         return self._plan
+
+    def _plan_is_current(self) -> bool:
+        """The usual step: same moments, same step tensors, same working storage (C-level passes)."""
+        states: list[Any] = list(map(self.inner.state.get, self._shadows))
+        return (
+            all(map(is_, states, self._plan_states))
+            and all(map(is_, map(_EXP_AVG, states), self._plan_moments[0]))
+            and all(map(is_, map(_EXP_AVG_SQ, states), self._plan_moments[1]))
+            and all(map(is_, map(_STEP, states), self._plan_moments[2]))
+            and list(map(torch.Tensor.data_ptr, self._workings)) == self._plan_addresses
+        )
+
+    def _build_plan(self) -> None:
+        """Adam's state where missing (torch.optim.AdamW's layout, so checkpoints interchange), the
+        fused plan over it, and Adam's per-parameter steps where the fused step advances them."""
+        state = self.inner.state
+        capturable = self._counter.capturable
+        for _, _, s in self._pairs:
+            if not state.get(s):
+                step = torch.zeros((), dtype=torch.float32, device=s.device if capturable else "cpu")
+                state[s] = {
+                    "step": step,
+                    "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format),
+                }
+        self._plan = AdamWPlan(
+            [AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data) for n, p, s in self._pairs],
+            backend=self.backend,
+        )
+        self._plan_addresses = [p.data_ptr() for _, p, _ in self._pairs]
+        self._adam_steps = np.asarray([int(state[s]["step"]) for _, _, s in self._pairs], dtype=np.int64)
+        if capturable:
+            if set(self._adam_steps) - {self.step_count}:
+                raise ValueError(
+                    "ShadowAdamW(capturable=True) steps every parameter together: the loaded Adam "
+                    f"steps {sorted(set(self._adam_steps))} differ from the key's step {self.step_count}"
+                )
+            for _, _, s in self._pairs:  # capturable: Adam's step lives beside the state, on the device
+                state[s]["step"] = state[s]["step"].to(s.device)
+            self._device_steps = [state[s]["step"] for _, _, s in self._pairs]
+        else:
+            # torch.optim.AdamW's per-parameter step tensors, as 0-dim views of one buffer: a step
+            # advances them all in one operation (a foreach add over 290 CPU scalars costs ~0.3 ms);
+            # state_dict() hands out copies
+            self._step_buffer = torch.tensor(self._adam_steps.tolist(), dtype=torch.float32)
+            for i, (_, _, s) in enumerate(self._pairs):
+                state[s]["step"] = self._step_buffer[i]
+        self._plan_states = [state[s] for s in self._shadows]
+        self._plan_moments = [list(map(get, self._plan_states)) for get in (_EXP_AVG, _EXP_AVG_SQ, _STEP)]
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
