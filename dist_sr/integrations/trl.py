@@ -23,15 +23,17 @@ the keyed bits the forward pass used.
 
 Metrics in the trainer's logs, so every ``report_to`` (TensorBoard, W&B, ...) gets them:
 ``dist_sr/key_step`` (the key's optimizer step) and, with ``sticking=True``,
-``dist_sr/unfollowed_frac``: the share of the FP32 masters' movement since the previous log that
-the BF16 working weights did not follow (~1 when round-to-nearest sticks, ~0 with SR).
+``dist_sr/unfollowed_frac``: ``dist_sr.optim.metrics.unfollowed_frac`` over the window since the
+previous log, the share of the FP32 masters' movement the BF16 working weights did not follow (~1
+when round-to-nearest sticks, ~0 with SR).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,7 @@ from ..engines.fsdp2.source import reshard_all
 from ..numerics import stochastic_round
 from ..numerics.key import check_mode, normalize_param_name
 from ..numerics.shards import local_shard, replica_slot
+from ..optim.metrics import follow_sums, unfollowed_frac
 from ..weightsync.export import export_bf16
 
 log = logging.getLogger("dist_sr.trl")
@@ -68,7 +71,7 @@ def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", sticki
             "their own dtype and the merged export is not a keyed rounding"
         )
     if getattr(trainer, "is_deepspeed_enabled", False):
-        backend = "deepspeed"
+        backend, ctx = "deepspeed", None  # the engine deepspeed.initialize builds holds the key
         seed = _deepspeed_block(accelerator, seed, mode)
     elif getattr(trainer, "is_fsdp_enabled", False):
         plugin = accelerator.state.fsdp_plugin
@@ -88,7 +91,7 @@ def enable(trainer, *, seed: int | None = None, mode: str = "stochastic", sticki
             "dist-sr's TRL integration needs DeepSpeed (a deepspeed= config) or FSDP2 "
             "(fsdp_version 2); for one process, use DeepSpeed ZeRO-0..3 with one rank"
         )
-    callback = DistSRCallback(trainer, backend, ctx if backend == "fsdp2" else None, sticking=sticking)
+    callback = DistSRCallback(trainer, backend, ctx, sticking=sticking)
     trainer.add_callback(callback)
     _add_metrics_to_logs(trainer, callback)
     route_vllm_exports(accelerator, callback)
@@ -149,26 +152,51 @@ def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
     return seed
 
 
-class DistSRCallback(TrainerCallback):
-    """Keeps the key in step with the optimizer (FSDP2), checks SR reached the policy's weights
-    when training starts, and adds the SR metrics to the logs."""
+class _BackendSide(Protocol):
+    """What ``DistSRCallback`` asks of the training backend; ``model`` is the trainer's
+    ``model_wrapped`` (the DeepSpeed engine, or the FSDP2-sharded model)."""
 
-    def __init__(self, trainer, backend: str, ctx, *, sticking: bool = False):
-        self.trainer = weakref.proxy(trainer)
-        self.backend, self.ctx, self.sticking = backend, ctx, sticking
-        self._previous: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    def start(self, model, state, optimizer) -> None:
+        """When training starts: refuse if SR did not reach the policy's weights, and put the key at
+        the trainer's ``state.global_step`` where the backend does not keep it itself."""
+
+    def key(self, model) -> Any:
+        """The live rounding key: ``seed``, ``step``, ``mode``, ``key_name(name)``."""
+
+    def master_pieces(self, model) -> Iterator[tuple[str, torch.Tensor, int]]:
+        """``(name, flat FP32 master piece, global offset)`` of this rank's share of the SR'd
+        parameters (the ranks' shares are disjoint)."""
+
+
+class _DeepSpeedSide:
+    """DeepSpeed ZeRO 0-3: the policy's engine holds the key (``engine.dist_sr``, built by
+    ``deepspeed.initialize`` from the block ``enable`` configured) and its ZeRO layout the masters."""
+
+    def start(self, model, state, optimizer) -> None:
+        if getattr(model, "dist_sr", None) is None:
+            raise RuntimeError(
+                "the DeepSpeed engine was built without dist-sr's SR: call "
+                "dist_sr.integrations.trl.enable(trainer) before trainer.train()"
+            )
+
+    def key(self, model):
+        return model.dist_sr
+
+    def master_pieces(self, model):
+        for name, hp, offset in model.dist_sr.layout.master_pieces():
+            yield name, hp.detach().reshape(-1), offset
+
+
+class _FSDP2Side:
+    """FSDP2: ``enable`` wrapped the parameters for SR in the all-gather; the ``SRContext`` holds
+    the key, which follows the optimizer from training's start, and the sharded parameters
+    (``model_wrapped``) are the FP32 masters."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
         self._handle = None
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs: Any):
-        if self.backend == "deepspeed":
-            engine = self.trainer.model_wrapped
-            if getattr(engine, "dist_sr", None) is None:
-                raise RuntimeError(
-                    "the DeepSpeed engine was built without dist-sr's SR: call "
-                    "dist_sr.integrations.trl.enable(trainer) before trainer.train()"
-                )
-            return
-        model = self.trainer.model_wrapped
+    def start(self, model, state, optimizer) -> None:
         reshard_all(model)  # a forward without backward leaves the root unsharded: read the shards
         lost = [
             n
@@ -187,17 +215,10 @@ class DistSRCallback(TrainerCallback):
         self.ctx.step = int(state.global_step)  # a resumed run continues the key where it stopped
         self.ctx.masters_changed()
 
-    def _key(self):
-        return self.trainer.model_wrapped.dist_sr if self.backend == "deepspeed" else self.ctx
+    def key(self, model):
+        return self.ctx
 
-    def _master_pieces(self):
-        """``(name, flat FP32 master piece, global offset)`` of this rank's share of the SR'd
-        parameters (the ranks' shares are disjoint)."""
-        if self.backend == "deepspeed":
-            for name, hp, offset in self._key().layout.master_pieces():
-                yield name, hp.detach().reshape(-1), offset
-            return
-        model = self.trainer.model_wrapped
+    def master_pieces(self, model):
         reshard_all(model)
         for name, p in model.named_parameters():
             local, offset, rows = local_shard(p)
@@ -206,34 +227,55 @@ class DistSRCallback(TrainerCallback):
             if rows is None and replica_slot(p)[0] == 0 and self.ctx.rounds(name) is True and local.numel():
                 yield name, local.reshape(-1), offset
 
+
+# DistSRCallback's backend name -> its side, built from the callback's ctx
+_SIDES: dict[str, Callable[[Any], _BackendSide]] = {"deepspeed": lambda ctx: _DeepSpeedSide(), "fsdp2": _FSDP2Side}
+
+
+class DistSRCallback(TrainerCallback):
+    """Keeps the key in step with the optimizer (FSDP2), checks SR reached the policy's weights
+    when training starts, and adds the SR metrics to the logs. ``backend``: ``"deepspeed"`` or
+    ``"fsdp2"``; ``ctx``: the FSDP2 ``SRContext`` (None for DeepSpeed, whose engine holds the key)."""
+
+    def __init__(self, trainer, backend: str, ctx, *, sticking: bool = False):
+        if backend not in _SIDES:
+            raise ValueError(f"backend={backend!r}: dist-sr's TRL integration knows {sorted(_SIDES)}")
+        self.trainer = weakref.proxy(trainer)
+        self.backend, self.ctx, self.sticking = backend, ctx, sticking
+        self.side = _SIDES[backend](ctx)
+        self._previous: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs: Any):
+        self.side.start(self.trainer.model_wrapped, state, optimizer)
+
+    def _key(self):
+        return self.side.key(self.trainer.model_wrapped)
+
     @torch.no_grad()
     def unfollowed_frac(self) -> float | None:
-        """``1 - <dW, dS> / <dS, dS>`` since the previous call: the share of the FP32 masters'
-        movement (dS) the BF16 working weights (dW) did not follow. Round-to-nearest that sticks
-        gives ~1; unbiased SR gives ~0 (``E[dW] = dS``). Collective (sums over every rank's
-        pieces); None on the first call. Keeps a copy of this rank's masters (FP32) and working
-        weights (BF16): 6 bytes per local parameter."""
+        """``dist_sr.optim.metrics.unfollowed_frac`` over the window since the previous call (each
+        log): the share of the FP32 masters' movement (dS) the BF16 working weights (dW, the keyed
+        SR of the masters) did not follow; ~1 when round-to-nearest sticks, ~0 with SR. Collective
+        (sums over every rank's pieces); None on the first call or when the masters did not move.
+        Keeps a copy of this rank's masters (FP32) and working weights (BF16): 6 bytes per local
+        parameter."""
         key = self._key()
         device = self.trainer.accelerator.device
         sums = torch.zeros(2, dtype=torch.float64, device=device)
         current = {}
-        for name, master, offset in self._master_pieces():
+        for name, master, offset in self.side.master_pieces(self.trainer.model_wrapped):
             working = stochastic_round(
                 master, seed=key.seed, step=key.step, param=key.key_name(name), offset=offset, mode=key.mode
             )
             current[(name, offset)] = (master.clone(), working)
             before = None if self._previous is None else self._previous.get((name, offset))
             if before is not None and before[0].shape == master.shape:
-                d_master = (master - before[0]).double()
-                d_working = working.double() - before[1].double()
-                sums += torch.stack([(d_working * d_master).sum(), (d_master * d_master).sum()]).to(device)
+                sums += follow_sums(before[0], master, before[1], working).to(device)
         first = self._previous is None
         self._previous = current
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
-        if first or float(sums[1]) == 0.0:
-            return None
-        return float(1.0 - sums[0] / sums[1])
+        return None if first else unfollowed_frac(*sums.tolist())
 
     def add_metrics(self, logs: dict) -> None:
         """Called by the trainer's ``log`` (wrapped by ``enable``) before any logger sees ``logs``."""

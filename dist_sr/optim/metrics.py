@@ -9,10 +9,9 @@ class StickingMeter:
     """Per-step sticking metrics for a set of working weights and (optionally) their shadows.
 
     - ``changed_frac``: fraction of working-weight elements whose bits changed in the last step.
-    - ``unfollowed_frac``: share of the shadows' net movement since the meter started that the
-      working weights did not follow, ``1 - <dW, dS> / <dS, dS>`` with ``dS = S_t - S_0`` and
-      ``dW = W_t - W_0``. Round-to-nearest that sticks gives ~1; unbiased rounding gives ~0,
-      since ``E[dW] = dS``. ``None`` without shadows or before the shadows move.
+    - ``unfollowed_frac``: the ``unfollowed_frac`` function below over the window since the meter
+      started (``dS = S_t - S_0``, ``dW = W_t - W_0``). ``None`` without shadows or before the
+      shadows move.
     - ``dead_zone_frac``: fraction of this step's non-zero updates of the full-precision weights
       (the shadows, or FP32 working weights) smaller than half the BF16 spacing at the weight, the
       updates round-to-nearest from a BF16 grid point drops on arrival. ``None`` when the
@@ -74,14 +73,34 @@ class StickingMeter:
             "dead_zone_frac": small / moved if moved else None,
         }
         if self.shadows is not None:
-            dot = norm2 = 0.0
+            dot = norm2 = 0.0  # summed in Python: the shadows may sit on any device
             for w0, s0, w, s in zip(self._w0, self._s0, self.working, self.shadows):  # type: ignore[arg-type]
-                ds = (s - s0).double()
-                dot += float((ds * (w.double() - w0.double())).sum())
-                norm2 += float((ds * ds).sum())
-            if norm2 > 0:
-                metrics["unfollowed_frac"] = 1.0 - dot / norm2
+                piece_dot, piece_norm2 = follow_sums(s0, s, w0, w).tolist()
+                dot, norm2 = dot + piece_dot, norm2 + piece_norm2
+            metrics["unfollowed_frac"] = unfollowed_frac(dot, norm2)
         return metrics
+
+
+def follow_sums(
+    shadow_before: torch.Tensor, shadow: torch.Tensor, working_before: torch.Tensor, working: torch.Tensor
+) -> torch.Tensor:
+    """``[<dW, dS>, <dS, dS>]`` (float64, shape ``(2,)``, on the tensors' device) for one tensor's
+    move over a window: ``dS = shadow - shadow_before`` (the full-precision weights, subtracted in
+    their dtype), ``dW = working - working_before`` (the rounded working weights, in float64). Add
+    it up over tensors (and ranks) and pass the sums to ``unfollowed_frac``."""
+    ds = (shadow - shadow_before).double()
+    dw = working.double() - working_before.double()
+    return torch.stack([(dw * ds).sum(), (ds * ds).sum()])
+
+
+def unfollowed_frac(dot: float, norm2: float) -> float | None:
+    """The share of the full-precision weights' movement ``dS`` over a window that the working
+    weights' movement ``dW`` did not follow: ``1 - <dW, dS> / <dS, dS>``, from ``follow_sums``
+    added up over every tensor. Round-to-nearest that sticks gives ~1; unbiased rounding gives ~0,
+    since ``E[dW] = dS``. ``None`` when nothing moved (``<dS, dS> = 0``); NaN when a weight is not
+    finite. The window is the caller's: ``StickingMeter`` measures since the meter started, the
+    TRL callback (``dist_sr/unfollowed_frac``) since its previous log."""
+    return None if norm2 == 0.0 else 1.0 - dot / norm2
 
 
 def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
