@@ -18,47 +18,32 @@ and still holds it sends grid-step deltas against it (``numerics.delta``: about 
 under SR, far less under round-to-nearest). Any other sync is dense: the first, a retry, one with
 an engine that restarted, failed a digest or is behind (the members share one broadcast, so one
 such engine makes the whole sync dense), or one with weights that are not 16-bit.
+
+``WeightSync`` coordinates; the jobs are modules of their own: the engines and their states
+(``fleet``), the transfer groups (``groups``), one attempt at moving the buckets (``transfer``)
+and the digest checks (``verify``).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
 import torch.distributed as dist
 
-from .. import collectives, faults
-from ..numerics import delta as delta_codec
-from ..numerics.digest import combine, piece_sums
+from .. import collectives
+from ..numerics.digest import combine
 from ..sources import WeightSource, add_rank_sums, layout_free_digest
 from . import auth
-from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, EngineError, MalformedReply, NoReadyEngineError
+from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, NoReadyEngineError
+from .fleet import Failure, Fleet, Member, State
+from .groups import TransferGroups, choose_backend
 from .plan import Span, SyncPlan, TensorPlan, make_buckets
-from .transport import BACKENDS, Packer, broadcast, open_store, send_sized, transfer_group
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Member:
-    """One rollout engine as the sync sees it."""
-
-    control: ControlPlane
-    workers: int = 0  # TP * PP (* DP): members of the transfer groups
-    state: str = "new"  # new | ready | pending | down
-    version: int | None = None  # last weight version verified on this engine
-    reason: str = ""  # why it is not ready
-    mark: list | None = None  # each worker's (rank, boot, events) when its digests were verified
-    held: int | None = None  # the version every worker says it keeps (a delta's base), if any
-
-    @property
-    def url(self) -> str:
-        return self.control.name
+from .transfer import Attempt, EngineUpdates, Sender
+from .transport import BACKENDS
+from .verify import changed_engines, verify_engines
 
 
 @dataclass
@@ -104,24 +89,34 @@ class WeightSync:
         self.rank = dist.get_rank(trainer_group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(trainer_group) if dist.is_initialized() else 1
         self.senders = self.world if transport == "shard-direct" else 1
-        self.engines = [Member(c) for c in controls]  # rank 0's view is authoritative
-        self.packer = Packer()
+        self.fleet = Fleet(controls)
         self.group_host = group_host or "127.0.0.1"  # rank 0's store listens here, and only here
         self.group_port = group_port
-        self.store_prefix = auth.store_prefix(secret if secret is not None else auth.load())
-        self.store = None
-        self.groups: dict[int, object] = {}
-        self.members: list[tuple[str, int]] = []  # (url, workers) of the current group, in rank order
-        self.generation = 0
+        self.groups = TransferGroups(
+            rank=self.rank,
+            senders=self.senders,
+            host=self.group_host,
+            port=self.group_port,
+            store_prefix=auth.store_prefix(secret if secret is not None else auth.load()),
+            timeout_s=timeout_s,
+            backend=backend,
+        )
         self.last: SyncResult | None = None
         self.delta = delta
         if delta:
             from ..numerics.backends import cpu
 
             cpu.warm_up_in_background()  # the delta codec's kernel, built once per environment
-        self.unanswered: set[str] = set()  # rank 0: engines whose replies were not answers, this sync
-        self.base: dict[tuple[str, int], torch.Tensor] = {}  # what this rank last sent, per piece
-        self.base_version: int | None = None
+        self.sender = Sender(source, transport=transport, rank=self.rank, senders=self.senders, delta=delta)
+        self.base_version: int | None = None  # the version every sending rank last sent whole (delta)
+        # shard-direct: each rank's flat range of each tensor, exchanged at the first plan (the
+        # layout does not change during training)
+        self.ranges: list[dict[str, tuple[int, int]]] | None = None
+
+    @property
+    def engines(self) -> list[Member]:
+        """Every engine's record (rank 0's view is authoritative)."""
+        return self.fleet.engines
 
     # ---- collectives among trainer ranks -------------------------------------------------
     def _bcast(self, obj):
@@ -131,107 +126,9 @@ class WeightSync:
         """Whether ``ok`` holds on every trainer rank (collective)."""
         return collectives.all_true(ok, self.trainer_group)
 
-    # ---- membership ------------------------------------------------------------------------
-    def _failed(self, control: ControlPlane, exc: Exception) -> str:
-        """Rank 0: one line for an engine's failure (``_failure``); an engine whose reply was not
-        an answer stays down for the rest of this sync (its retries go on without it)."""
-        if _state_after(exc) == "down":
-            self.unanswered.add(control.name)
-        return _failure(control, exc)
-
-    def _probe(self) -> None:
-        """Rank 0: which engines answer, and how many workers each has (those whose replies were
-        not answers in this sync stay down until the next)."""
-        for e in self.engines:
-            if e.url in self.unanswered:
-                e.state = "down"
-                continue
-            try:
-                e.control.health()
-                if e.state in ("new", "down") or not e.workers:  # a restarted engine may have a new TP size
-                    e.workers = e.control.world_size()
-                if e.state == "down":
-                    e.state, e.reason = "pending", "restarted: waits for the current weights"
-                elif e.state == "new":
-                    e.state = "pending"
-            except Exception as exc:  # noqa: BLE001  (whatever an engine's answer did, it is down: named)
-                reason = self._failed(e.control, exc)
-                if e.state != "down":
-                    log.warning("engine %s is down: %s", e.url, reason)
-                e.state, e.reason = "down", reason
-
-    def _connect(self, members: list[tuple[str, int]]) -> list[str]:
-        """All ranks: build the groups of a new generation with ``members``; returns the URLs that
-        failed to join (rank 0)."""
-        self.generation += 1
-        self.groups, self.members = {}, members
-        controls = {e.url: e.control for e in self.engines}
-        world = 1 + sum(w for _, w in members)
-        if not members:
-            return []
-        if self.rank == 0 and self.store is None:
-            self.store = open_store(self.group_host, self.group_port, is_master=True, timeout_s=self.timeout_s)
-        failed, threads = [], []
-        backend = self._backend()
-        if self.rank == 0:
-            offset = 1
-            for url, workers in members:
-                info = {
-                    "master_address": self.group_host,
-                    "master_port": self.group_port,
-                    "rank_offset": offset,
-                    "world_size": world,
-                    "senders": self.senders,
-                    "generation": self.generation,
-                    "timeout_s": self.timeout_s,
-                    **({"backend": backend} if backend != "gloo" else {}),  # gloo unless named (InitInfo)
-                }
-                offset += workers
-                threads.append(
-                    self._call_async(controls[url], lambda c=controls[url], i=info: c.init_transfer(i), failed)
-                )
-        if self.rank < self.senders:
-            store = (
-                self.store
-                if self.rank == 0
-                else open_store(self.group_host, self.group_port, is_master=False, timeout_s=self.timeout_s)
-            )
-            try:
-                self.groups[self.rank] = transfer_group(
-                    store,
-                    self.generation,
-                    self.rank,
-                    0,
-                    world,
-                    self.timeout_s,
-                    prefix=self.store_prefix,
-                    backend=backend,
-                )
-            except RuntimeError as exc:
-                failed.append(f"trainer rank {self.rank}: {exc}")
-        for t in threads:
-            t.join()
-        return failed
-
     def _backend(self) -> str:
-        """The group's backend: as configured, or (auto) nccl when the weights are on CUDA. Every
-        rank decides alike (a job's weights are all on one kind of device)."""
-        if self.backend != "auto":
-            return self.backend
-        metas = self.source.metadata()
-        pieces = self.source.local_pieces([metas[0][0]]) if metas else []
-        return "nccl" if any(p.bits.device.type == "cuda" for p in pieces) else "gloo"
-
-    def _call_async(self, control: ControlPlane, call, failures: list):
-        def run():
-            try:
-                call()
-            except Exception as exc:  # noqa: BLE001  (an engine's failure, named, whatever its kind)
-                failures.append(self._failed(control, exc))
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        return t
+        """The transfer groups' backend (``groups.choose_backend``)."""
+        return choose_backend(self.backend, self.source)
 
     # ---- the plan -------------------------------------------------------------------------
     def plan(self, version: int, delta_base: int | None = None) -> SyncPlan:
@@ -240,7 +137,8 @@ class WeightSync:
             if self.transport == "broadcast":
                 spans = [Span(0, 0, math.prod(shape))]
             else:
-                spans = [Span(r, *self._range_of(name, r)) for r in range(self.world)]
+                ranges = self._ranges()
+                spans = [Span(r, *ranges[r][name]) for r in range(self.world)]
                 spans = [p for p in spans if p.end > p.start] or [Span(0, 0, 0)]
             tensors.append(TensorPlan(name, dtype, tuple(shape), spans))
         plan = SyncPlan(
@@ -249,18 +147,12 @@ class WeightSync:
         plan.check()
         return plan
 
-    def _range_of(self, name: str, rank: int) -> tuple[int, int]:
-        """Rank ``rank``'s flat range of ``name`` (the ranks exchange their ranges once, at the
-        first shard-direct plan; the layout does not change during training)."""
-        ranges = getattr(self, "_ranges", None)
-        if ranges is None:
+    def _ranges(self) -> list[dict[str, tuple[int, int]]]:
+        """Every rank's flat range of each tensor (collective the first time: ``self.ranges``)."""
+        if self.ranges is None:
             mine = {p.name: (p.start, p.end) for p in self.source.local_pieces([m[0] for m in self.source.metadata()])}
-            all_ranges = [mine]
-            if self.world > 1:
-                all_ranges = [None] * self.world
-                dist.all_gather_object(all_ranges, mine, group=self.trainer_group)
-            self._ranges = ranges = all_ranges
-        return ranges[rank][name]
+            self.ranges = collectives.gathered(mine, self.trainer_group)
+        return self.ranges
 
     # ---- one sync -------------------------------------------------------------------------
     def sync(self, version: int, on_bucket=None, verify: bool = True) -> SyncResult:
@@ -270,44 +162,51 @@ class WeightSync:
         t0 = time.perf_counter()
         problems: list[str] = []
         last_base, self.base_version = self.base_version, None  # set again only by a whole sync
-        self.unanswered = set()
+        self.fleet.start_sync()
         for attempt in (1, 2, 3):  # noqa: B007  (the last one is reported in the result)
             members = None
             if self.rank == 0:
-                self._probe()
-                members = [(e.url, e.workers) for e in self.engines if e.state != "down"]
+                self.fleet.probe()
+                members = self.fleet.live()
             members = self._bcast(members)
             if not members:
                 raise NoReadyEngineError(
                     "no rollout engine is reachable: " + "; ".join(f"{e.url}: {e.reason}" for e in self.engines)
                 )
-            failed = []
-            if members != self.members:
-                failed = self._connect(members)
+            failed: list[Failure] = []
+            if members != self.groups.members:
+                failed = self.groups.connect(members, self.fleet, self.source)
             ok = not failed and self.all_ok(True)
             base = self._bcast(self._delta_base(attempt, last_base) if self.rank == 0 else None)
             if ok:
-                ok, failed, sent, entries = self._transfer(version, on_bucket, verify, base)
+                moved = self._transfer(version, on_bucket, verify, base)
+                ok, failed = moved.ok, moved.failures
             if self.all_ok(ok):
                 break
             failed = self._bcast(failed)
-            problems += failed
+            problems += [f.reason for f in failed]
             if self.rank == 0:
-                for e in self.engines:
-                    if any(e.url in f for f in failed):
-                        e.state, e.reason = "down", "; ".join(f for f in failed if e.url in f)[:2000]
-            self.members = []  # rebuild the group with the survivors
+                self.fleet.drop(failed)
+            self.groups.members = []  # rebuild the group with the survivors
         else:
             raise NoReadyEngineError(f"weight sync {version} failed three times: {problems[-6:]}")
-        digest = combine(entries) if self.rank == 0 and verify else ""
+        digest = combine(moved.entries) if self.rank == 0 and verify else ""
         ready = []
         if self.rank == 0:
-            ready, bad = self._verify(version, entries if verify else None)
+            ready, bad = self._verify(version, moved.entries if verify else None)
             problems += bad
         ready = self._bcast(ready)
         marks = self._bcast({e.url: e.mark for e in self.engines if e.url in ready} if self.rank == 0 else None)
         self.last = SyncResult(
-            version, self._bcast(digest), ready, time.perf_counter() - t0, sent, attempt, problems, marks, base
+            version,
+            self._bcast(digest),
+            ready,
+            time.perf_counter() - t0,
+            moved.bytes_sent,
+            attempt,
+            problems,
+            marks,
+            base,
         )
         if not ready:
             raise NoReadyEngineError(f"after weight sync {version} no engine holds the trainer's weights: {problems}")
@@ -321,199 +220,46 @@ class WeightSync:
             return None
         if any(t != "bfloat16" and t != "float16" for _, t, _ in self.source.metadata()):
             return None
-        members = [e for e in self.engines if e.url in {u for u, _ in self.members}]
-        if members and all(e.state == "ready" and e.version == base == e.held for e in members):
+        members = [e for e in self.engines if e.url in set(self.groups.urls())]
+        if members and all(e.state == State.READY and e.version == base == e.held for e in members):
             return base
         return None
 
-    def _pieces_out(self, pieces, base: int | None) -> tuple[list[torch.Tensor], bool]:
-        """This rank's bucket as buffers to send: the pieces, or their deltas against ``base``."""
-        if base is None:
-            return [bits for _, _, bits in pieces], False
-        blobs = []
-        for name, start, bits in pieces:
-            blobs.append(
-                torch.frombuffer(
-                    bytearray(delta_codec.encode(self.base[(name, start)], bits).to_bytes()), dtype=torch.uint8
-                )
-            )
-        return blobs, True
-
-    def _keep(self, pieces) -> None:
-        for name, start, bits in pieces:
-            held = self.base.get((name, start))
-            if held is None or held.shape != bits.shape or held.dtype != bits.dtype:
-                self.base[(name, start)] = bits.detach().clone()
-            else:
-                held.copy_(bits)
-
-    def _transfer(self, version: int, on_bucket=None, verify: bool = True, base: int | None = None):
-        """All ranks: one attempt at moving every bucket. Returns (ok, failures, bytes, digest entries)."""
+    def _transfer(self, version: int, on_bucket=None, verify: bool = True, base: int | None = None) -> Attempt:
+        """All ranks: one attempt at moving every bucket, rank 0 taking the engines through it."""
         plan = self.plan(version, base)
         plan.digest = verify
-        failures: list[str] = []
-        threads = []
-        controls = [self._control(url) for url, _ in self.members] if self.rank == 0 else []
-        if self.rank == 0:
-            for c in controls:
-                try:
-                    c.pause()
-                    c.start_update()
-                except Exception as exc:  # noqa: BLE001
-                    failures.append(self._failed(c, exc))
-            if failures:
-                return False, failures, 0, {}
-            update_timeout = self.timeout_s * (1 + len(plan.buckets))
-            plan_json = plan.to_json()
-            for c in controls:
-                threads.append(self._call_async(c, lambda c=c: c.update(plan_json, update_timeout), failures))
-        sums: dict[str, int] = {}
-        sent = 0
-        kept: list = []
-        try:
-            for index, bucket in enumerate(plan.buckets):
-                if on_bucket is not None:
-                    on_bucket(index, len(plan.buckets))
-                if index:
-                    faults.point("sync.bucket")
-                names = [t.name for t in bucket.tensors]
-                if self.transport == "broadcast":
-                    full = self.source.gather(names)  # collective on every rank
-                    pieces = [(n, 0, full[n].reshape(-1)) for n in names] if self.rank == 0 else []
-                else:
-                    pieces = [(p.name, p.start, p.bits) for p in self.source.local_pieces(names) if p.end > p.start]
-                work = None
-                if self.rank < self.senders:
-                    chunks, sized = self._pieces_out(pieces, base)
-                    if sized:
-                        nbytes, work = send_sized(
-                            self.groups[self.rank], torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-                        )
-                    else:
-                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank), self.groups[self.rank])
-                        work, nbytes = broadcast(self.groups[self.rank], buf), buf.numel()
-                    sent += nbytes
-                    if self.delta:
-                        kept.extend((n, s, bits) for n, s, bits in pieces)
-                if verify:  # while the bucket is on the wire (the sums read the pieces, not the buffer)
-                    sums.update(zip([n for n, _, _ in pieces], piece_sums([(bits, s) for _, s, bits in pieces])))
-                if work is not None:
-                    work.wait()
-        except RuntimeError as exc:
-            failures.append(f"trainer rank {self.rank}: {exc}")
-        # the engines have at most the last bucket left to load: one that has not answered its
-        # update within timeout_s hangs (stopped, deadlocked), and is left out, not waited for
-        deadline = time.monotonic() + self.timeout_s
-        for c, t in zip(controls, threads):
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                failures.append(
-                    f"{c.name}: no answer to its update {self.timeout_s:.0f} s after the last bucket was "
-                    "sent (the engine hangs); left out of this sync"
-                )
-        if self.delta and self.rank < self.senders and not failures:
-            self._keep(kept)  # what the engines that complete this sync hold from now on
-        ok = not failures
+        controls = [self.fleet.control(url) for url in self.groups.urls()] if self.rank == 0 else []
+        engines = EngineUpdates(self.fleet, controls, self.timeout_s)
+        if self.rank == 0 and not engines.begin(plan):
+            return Attempt(False, engines.failures)
+        group = self.groups.mine() if self.rank < self.senders else None
+        sent = self.sender.send(plan, group, base=base, verify=verify, on_bucket=on_bucket)
+        if sent.error is not None:
+            engines.failures.append(Failure.of_trainer(self.rank, sent.error))
+        engines.wait()
+        if self.delta and self.rank < self.senders and not engines.failures:
+            self.sender.keep(sent.pieces)  # what the engines that complete this sync hold from now on
+        ok = not engines.failures
         if self.rank == 0 and ok:
-            for c in controls:
-                try:
-                    c.finish(version)
-                    c.reset_cache()
-                except Exception as exc:  # noqa: BLE001
-                    failures.append(self._failed(c, exc))
-            ok = not failures
-        entries = add_rank_sums(sums, self.source.metadata(), self.world, self.trainer_group) if verify else {}
-        return ok, failures, sent, entries
+            engines.finish(version)
+            ok = not engines.failures
+        entries = add_rank_sums(sent.sums, self.source.metadata(), self.world, self.trainer_group) if verify else {}
+        return Attempt(ok, engines.failures, sent.nbytes, entries)
+
+    def _verify(self, version: int, entries: dict | None) -> tuple[list[str], list[str]]:
+        """Rank 0: ``verify.verify_engines`` over this generation's members."""
+        return verify_engines(self.fleet, self.groups.urls(), version, entries)
 
     def current_digest(self) -> str:
         """Every trainer rank: the layout-free digest of the working weights as they are now, from
         the pieces each rank holds (no gather)."""
         return layout_free_digest(self.source, self.world, self.trainer_group)
 
-    def _verify(self, version: int, entries: dict | None) -> tuple[list[str], list[str]]:
-        """Rank 0: each engine's report against the trainer's digest entries (``None``: only that
-        the engine completed this version); only matching engines are resumed and marked ready."""
-        expected = None if entries is None else {n: [d, list(s), f"{v:016x}"] for n, (d, s, v) in entries.items()}
-        ready, problems = [], []
-        for e in self.engines:
-            if e.state == "down" or e.url not in [u for u, _ in self.members]:
-                continue
-            try:
-                reports = e.control.report()
-            except Exception as exc:  # noqa: BLE001  (a report that is not one: the engine is down)
-                e.state, e.reason = _state_after(exc), self._failed(e.control, exc)
-                problems.append(e.reason)
-                continue
-            bad = (
-                []
-                if expected is None
-                else sorted(
-                    {
-                        n
-                        for r in reports
-                        for n in set(expected) | set(r.get("digests", {}))
-                        if r.get("digests", {}).get(n) != expected.get(n)
-                    }
-                )
-            )
-            stale = [r.get("rank") for r in reports if str(r.get("version")) != str(version) or not r.get("complete")]
-            if bad or stale:
-                e.state = "pending"
-                e.reason = (
-                    f"weights differ from the trainer's after sync {version}: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
-                    if bad
-                    else f"workers {stale} did not complete sync {version}"
-                )
-                problems.append(f"{e.url}: {e.reason}")
-                log.error("engine %s gets no rollouts: %s", e.url, e.reason)
-                continue
-            try:
-                e.control.resume()
-            except Exception as exc:  # noqa: BLE001
-                e.state, e.reason = _state_after(exc), self._failed(e.control, exc)
-                problems.append(e.reason)
-                continue
-            e.state, e.version, e.reason = "ready", version, ""
-            e.mark = _mark(reports)
-            held = {r.get("held") for r in reports}
-            e.held = held.pop() if len(held) == 1 else None
-            ready.append(e.url)
-        return ready, problems
-
     def changed(self, urls: Sequence[str]) -> list[str]:
         """Any trainer rank, after using ``urls`` for rollouts: the engines that are no longer
         exactly what the last sync verified (restarted, or any control event since; an engine
         that does not answer counts as changed), each with the reason."""
-        problems = []
-        for url in urls:
-            try:
-                reports = self._control(url).report()
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"{url}: {_failure(self._control(url), exc)}")
-                continue
-            if self.last is None or _mark(reports) != self.last.marks.get(url):
-                problems.append(
-                    f"{url}: restarted or changed by a control event after weight sync "
-                    f"{self.last.version if self.last else None} was verified"
-                )
-        return problems
-
-    def _control(self, url: str) -> ControlPlane:
-        return next(e.control for e in self.engines if e.url == url)
-
-
-def _mark(reports: list[dict]) -> list:
-    # ordered by repr: a worker not yet in a group reports rank None beside others' integers
-    return sorted(([r.get("rank"), r.get("boot"), r.get("events")] for r in reports), key=repr)
-
-
-def _failure(control: ControlPlane, exc: Exception) -> str:
-    """An engine's failure as one line starting with its name: an ``EngineError`` says it already;
-    anything else a control plane raised is named with its type."""
-    return str(exc) if isinstance(exc, EngineError) else f"{control.name}: {type(exc).__name__}: {exc}"
-
-
-def _state_after(exc: Exception) -> str:
-    """An engine that refused a call (an HTTP error) stays a member, waiting for the next sync
-    (``pending``); one whose reply was not an answer, or that failed otherwise, is ``down``."""
-    return "pending" if isinstance(exc, EngineError) and not isinstance(exc, MalformedReply) else "down"
+        if self.last is None:
+            return changed_engines(self.fleet, urls, {}, None)
+        return changed_engines(self.fleet, urls, self.last.marks, self.last.version)
