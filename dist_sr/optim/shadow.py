@@ -407,7 +407,7 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                     "ShadowAdamW(capturable=True): run one step before capturing it in a CUDA graph "
                     "(the first step builds the fused plan and the optimizer state)"
                 )
-            self._build_plan()
+            self._plan = self._build_plan()
         return self._plan
 
     def _plan_is_current(self) -> bool:
@@ -421,7 +421,7 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
             and list(map(torch.Tensor.data_ptr, self._workings)) == self._plan_addresses
         )
 
-    def _build_plan(self) -> None:
+    def _build_plan(self) -> AdamWPlan:
         """Adam's state where missing (torch.optim.AdamW's layout, so checkpoints interchange), the
         fused plan over it, and Adam's per-parameter steps where the fused step advances them."""
         state = self.inner.state
@@ -434,7 +434,7 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                     "exp_avg": torch.zeros_like(s, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(s, memory_format=torch.preserve_format),
                 }
-        self._plan = AdamWPlan(
+        plan = AdamWPlan(
             [AdamWPiece(n, s, state[s]["exp_avg"], state[s]["exp_avg_sq"], p.data) for n, p, s in self._pairs],
             backend=self.backend,
         )
@@ -458,6 +458,7 @@ class ShadowAdamW(FusedAdamWSteps, ShadowOptimizer):
                 state[s]["step"] = self._step_buffer[i]
         self._plan_states = [state[s] for s in self._shadows]
         self._plan_moments = [list(map(get, self._plan_states)) for get in (_EXP_AVG, _EXP_AVG_SQ, _STEP)]
+        return plan
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
