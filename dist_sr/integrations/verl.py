@@ -226,119 +226,142 @@ def _optimizer_steps(optimizer) -> int | None:
     return None
 
 
+# verl's own FSDPEngine methods, kept by ``enable`` before it puts the keyed ones below in their place
+_VERL: dict[str, object] = {}
+
+
+def _build_fsdp_module(self, module):
+    """The actor's FP32 parameters wrapped for SR before verl's ``apply_fsdp2``, checked after it."""
+    verl_sync.set_key_context(self, None)
+    if not _is_trained_actor(self):
+        return _VERL["_build_fsdp_module"](self, module)
+    check_actor("language_model", self.engine_config.strategy, self.model_config, self.engine_config)
+    seed, mode = key_settings(self.engine_config)
+    ctx = fsdp2.prepare(module, seed=seed, mode=mode)  # before verl's apply_fsdp2
+    module = _VERL["_build_fsdp_module"](self, module)
+    _check_wrapped(module, ctx)
+    module.register_state_dict_post_hook(_state_dict_hook)
+    module._dist_sr_export = None
+    ctx.masters_changed()  # verl loaded the full state dict into the shards
+    verl_sync.set_key_context(self, ctx)
+    verl_sync.actor_built(self, module)
+    if self.rank == 0:
+        log.info("dist-sr: keyed SR on the actor (seed %d, mode %s): %d parameters", seed, mode, len(ctx.names))
+        if not os.environ.get(SEED_ENV, "").strip() and seed == VERL_DEFAULT_SEED:
+            log.warning(
+                "dist-sr: the rounding key's seed is %d, verl's default fsdp_config.seed: every run keyed "
+                "alike unless you choose one (actor_rollout_ref.actor.fsdp_config.seed=<n>, or %s in the "
+                "workers' environment); verl's metrics show it as actor/dist_sr/seed",
+                seed,
+                SEED_ENV,
+            )
+    return module
+
+
+def _build_optimizer(self, module):
+    """verl's optimizer, with the key's step following it."""
+    optimizer = _VERL["_build_optimizer"](self, module)
+    ctx = verl_sync.key_context(self)
+    if ctx is not None:
+        ctx.track(optimizer)
+    return optimizer
+
+
+def get_per_tensor_param(self, *args, **kwargs):
+    """verl's full-tensor export, of the keyed BF16 bits."""
+    ctx = verl_sync.key_context(self)
+    if ctx is None:
+        return _VERL["get_per_tensor_param"](self, *args, **kwargs)
+    with _exporting(self.module, ctx):  # verl reads state_dict() eagerly; its generator gathers later
+        return _VERL["get_per_tensor_param"](self, *args, **kwargs)
+
+
+def get_per_tensor_param_shard(self, *args, **kwargs):
+    """verl's local-shard export, of the keyed BF16 bits."""
+    ctx = verl_sync.key_context(self)
+    if ctx is None:
+        return _VERL["get_per_tensor_param_shard"](self, *args, **kwargs)
+    with _exporting(self.module, ctx):
+        return _VERL["get_per_tensor_param_shard"](self, *args, **kwargs)
+
+
+def save_checkpoint(self, local_path, *args, **kwargs):
+    """verl's checkpoint, then the key beside its shards (complete on every rank's return)."""
+    result = _VERL["save_checkpoint"](self, local_path, *args, **kwargs)
+    ctx = verl_sync.key_context(self)
+    if ctx is not None:
+        if self.rank == 0:
+            path = Path(local_path) / KEY_FILE
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(ctx.state_dict()))
+            os.replace(tmp, path)
+        torch.distributed.barrier()  # the checkpoint is complete on every rank's return, as verl's own is
+    return result
+
+
+def load_checkpoint(self, local_path, *args, **kwargs):
+    """verl's resume, then the key's state, checked against the optimizer's own step count."""
+    result = _VERL["load_checkpoint"](self, local_path, *args, **kwargs)
+    ctx = verl_sync.key_context(self)
+    if ctx is None:
+        return result
+    steps = _optimizer_steps(self.optimizer) if self.optimizer is not None else None
+    path = Path(local_path) / KEY_FILE
+    if path.exists():
+        ctx.load_state_dict(json.loads(path.read_text()))  # refuses another seed or mode
+        if steps is not None and steps != ctx.step:
+            raise RuntimeError(
+                f"dist-sr: {path} says the key is at step {ctx.step}, but the optimizer state loaded "
+                f"beside it has taken {steps} steps; the checkpoint is inconsistent"
+            )
+    elif steps is not None:
+        log.warning(
+            "dist-sr: %s has no %s (saved without dist-sr); the key's step is taken from the optimizer (%d)",
+            local_path,
+            KEY_FILE,
+            steps,
+        )
+        ctx.step = steps
+    else:
+        raise RuntimeError(
+            f"dist-sr: {local_path} has neither {KEY_FILE} nor optimizer steps: the rounding key's "
+            "step cannot be restored"
+        )
+    ctx.masters_changed()
+    verl_sync.actor_built(self, self.module)
+    return result
+
+
+KEYED_METHODS = {
+    f.__name__: f
+    for f in (
+        _build_fsdp_module,
+        _build_optimizer,
+        get_per_tensor_param,
+        get_per_tensor_param_shard,
+        save_checkpoint,
+        load_checkpoint,
+    )
+}
+
+
 def enable() -> None:
-    """Patch verl's FSDP2 engine (idempotent; importing this module calls it)."""
+    """Patch verl's FSDP2 engine (idempotent). verl's ``external_lib`` contract is an import, so
+    importing this module calls it: ``EngineRegistry.new`` refuses an actor the key cannot round,
+    ``KEYED_METHODS`` replace ``FSDPEngine``'s own (kept in ``_VERL``), and ``verl_sync`` checks
+    the engines after each weight sync."""
     registry, engine_cls, _ = _targets()
     if getattr(engine_cls._build_fsdp_module, PATCHED, False):
         return
     new = registry.new.__func__
-    build_fsdp, build_opt = engine_cls._build_fsdp_module, engine_cls._build_optimizer
-    per_tensor, per_shard = engine_cls.get_per_tensor_param, engine_cls.get_per_tensor_param_shard
-    save, load = engine_cls.save_checkpoint, engine_cls.load_checkpoint
 
     def checked_new(cls, model_type, backend, *args, **kwargs):
         check_actor(model_type, backend, kwargs.get("model_config"), kwargs.get("engine_config"))
         return new(cls, model_type, backend, *args, **kwargs)
 
-    def _build_fsdp_module(self, module):
-        verl_sync.set_key_context(self, None)
-        if not _is_trained_actor(self):
-            return build_fsdp(self, module)
-        check_actor("language_model", self.engine_config.strategy, self.model_config, self.engine_config)
-        seed, mode = key_settings(self.engine_config)
-        ctx = fsdp2.prepare(module, seed=seed, mode=mode)  # before verl's apply_fsdp2
-        module = build_fsdp(self, module)
-        _check_wrapped(module, ctx)
-        module.register_state_dict_post_hook(_state_dict_hook)
-        module._dist_sr_export = None
-        ctx.masters_changed()  # verl loaded the full state dict into the shards
-        verl_sync.set_key_context(self, ctx)
-        verl_sync.actor_built(self, module)
-        if self.rank == 0:
-            log.info("dist-sr: keyed SR on the actor (seed %d, mode %s): %d parameters", seed, mode, len(ctx.names))
-            if not os.environ.get(SEED_ENV, "").strip() and seed == VERL_DEFAULT_SEED:
-                log.warning(
-                    "dist-sr: the rounding key's seed is %d, verl's default fsdp_config.seed: every run keyed "
-                    "alike unless you choose one (actor_rollout_ref.actor.fsdp_config.seed=<n>, or %s in the "
-                    "workers' environment); verl's metrics show it as actor/dist_sr/seed",
-                    seed,
-                    SEED_ENV,
-                )
-        return module
-
-    def _build_optimizer(self, module):
-        optimizer = build_opt(self, module)
-        ctx = verl_sync.key_context(self)
-        if ctx is not None:
-            ctx.track(optimizer)
-        return optimizer
-
-    def get_per_tensor_param(self, *args, **kwargs):
-        ctx = verl_sync.key_context(self)
-        if ctx is None:
-            return per_tensor(self, *args, **kwargs)
-        with _exporting(self.module, ctx):  # verl reads state_dict() eagerly; its generator gathers later
-            return per_tensor(self, *args, **kwargs)
-
-    def get_per_tensor_param_shard(self, *args, **kwargs):
-        ctx = verl_sync.key_context(self)
-        if ctx is None:
-            return per_shard(self, *args, **kwargs)
-        with _exporting(self.module, ctx):
-            return per_shard(self, *args, **kwargs)
-
-    def save_checkpoint(self, local_path, *args, **kwargs):
-        result = save(self, local_path, *args, **kwargs)
-        ctx = verl_sync.key_context(self)
-        if ctx is not None:
-            if self.rank == 0:
-                path = Path(local_path) / KEY_FILE
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text(json.dumps(ctx.state_dict()))
-                os.replace(tmp, path)
-            torch.distributed.barrier()  # the checkpoint is complete on every rank's return, as verl's own is
-        return result
-
-    def load_checkpoint(self, local_path, *args, **kwargs):
-        result = load(self, local_path, *args, **kwargs)
-        ctx = verl_sync.key_context(self)
-        if ctx is None:
-            return result
-        steps = _optimizer_steps(self.optimizer) if self.optimizer is not None else None
-        path = Path(local_path) / KEY_FILE
-        if path.exists():
-            ctx.load_state_dict(json.loads(path.read_text()))  # refuses another seed or mode
-            if steps is not None and steps != ctx.step:
-                raise RuntimeError(
-                    f"dist-sr: {path} says the key is at step {ctx.step}, but the optimizer state loaded "
-                    f"beside it has taken {steps} steps; the checkpoint is inconsistent"
-                )
-        elif steps is not None:
-            log.warning(
-                "dist-sr: %s has no %s (saved without dist-sr); the key's step is taken from the optimizer (%d)",
-                local_path,
-                KEY_FILE,
-                steps,
-            )
-            ctx.step = steps
-        else:
-            raise RuntimeError(
-                f"dist-sr: {local_path} has neither {KEY_FILE} nor optimizer steps: the rounding key's "
-                "step cannot be restored"
-            )
-        ctx.masters_changed()
-        verl_sync.actor_built(self, self.module)
-        return result
-
     registry.new = classmethod(checked_new)
-    for name, fn in (
-        ("_build_fsdp_module", _build_fsdp_module),
-        ("_build_optimizer", _build_optimizer),
-        ("get_per_tensor_param", get_per_tensor_param),
-        ("get_per_tensor_param_shard", get_per_tensor_param_shard),
-        ("save_checkpoint", save_checkpoint),
-        ("load_checkpoint", load_checkpoint),
-    ):
+    for name, fn in KEYED_METHODS.items():
+        _VERL[name] = getattr(engine_cls, name)
         setattr(fn, PATCHED, True)
         setattr(engine_cls, name, fn)
     verl_sync.enable(engine_cls)
