@@ -11,7 +11,7 @@ and 4 trainer processes (gloo), each holding the BF16 weights, the same run meas
 - broadcast (gather-then-broadcast) and shard-direct syncs through ``WeightSync``, by bucket size,
   without and with digest verification, to two targets: the vLLM engine (a sync includes the HTTP
   control calls, the receive and vLLM's ``load_weights`` with its layerwise reload), and a bare
-  receiver process (``dist_sr.weightsync.receiver``: the same HTTP routes and receive path, keeping
+  receiver process (``dist_sr.weightsync.receiver_cli``: the same HTTP routes and receive path, keeping
   the tensors instead of loading them), which isolates the transport.
 Ratios are sync bandwidth / raw bandwidth at the same bucket size. Then dense against delta
 syncs (``WeightSync(delta=True)``, grid-step deltas of ``numerics.delta``) to both targets: before
@@ -231,7 +231,7 @@ def main() -> int:
     engine = EngineProcess(model_dir, tp=1, log_dir=RESULTS, name="weight-sync-engine")
     receiver_port = free_port()
     receiver = subprocess.Popen(
-        [sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(receiver_port)],
+        [sys.executable, "-m", "dist_sr.weightsync.receiver_cli", "--port", str(receiver_port)],
         cwd=Path(__file__).resolve().parents[1],
     )
     targets = {"vllm": engine.url, "receiver": f"http://127.0.0.1:{receiver_port}"}

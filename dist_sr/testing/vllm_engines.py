@@ -115,11 +115,11 @@ def complete(
 
 
 def spawn_receiver(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """A bare weight receiver process (``dist_sr.weightsync.receiver``) on loopback, just started:
+    """A bare weight receiver process (``dist_sr.weightsync.receiver_cli``) on loopback, just started:
     the process and its base URL (``wait_healthy`` before use; the caller kills it)."""
     port = port or free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(port), *extra], cwd=REPO
+        [sys.executable, "-m", "dist_sr.weightsync.receiver_cli", "--port", str(port), *extra], cwd=REPO
     )
     return proc, f"http://127.0.0.1:{port}"
 

@@ -1,14 +1,11 @@
 """The receiving half of the dist-sr weight transfer, shared by the vLLM backend and a bare
-receiver server.
+receiver server (``receiver_server``, started by ``python -m dist_sr.weightsync.receiver_cli``).
 
 ``WeightReceiver`` joins the groups of one generation, receives a plan's buckets (the next bucket
 arriving while the current one loads), hands full HF-named tensors to a load function, and keeps
-the report the trainer verifies. ``python -m dist_sr.weightsync.receiver --port P`` serves the same
-HTTP routes as a vLLM engine in dev mode but only receives (and keeps) the tensors: a real
-receiving process for measuring the transport without vLLM's reload cost (bench/weight_sync.py).
-``--corrupt NAME`` makes it a faulty engine: it flips one bit of tensor ``NAME`` as it loads it
-(and reports the bits it holds), so the trainer's digest check can be exercised without vLLM;
-``--corrupt delta:NAME`` flips one bit inside the first delta it receives for ``NAME`` (once).
+the report the trainer verifies. ``corrupt`` makes it a faulty engine (``receiver_faults``: one
+flipped bit in a named tensor, or in its first delta), so the trainer's digest check can be
+exercised without vLLM.
 
 A plan with ``keep`` makes the receiver keep what it loads (the tensors handed to ``load``, a
 host copy of the 16-bit weights: for a vLLM engine, host memory the size of its weights); a plan
@@ -23,15 +20,11 @@ budget before anything is allocated; timeouts are bounded.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import logging
 import math
 import secrets
-import sys
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
@@ -41,6 +34,7 @@ from ..numerics.digest import DTYPES, tensor_sums
 from . import auth
 from .control import MAX_TIMEOUT_S, TIMEOUT_S
 from .plan import SyncPlan
+from .receiver_faults import BitFlip
 from .transport import BACKENDS, cuda_device, open_store, receive_buckets, transfer_group
 
 log = logging.getLogger(__name__)
@@ -105,11 +99,7 @@ class WeightReceiver:
         self.rank: int | None = None
         self.received: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self.state = {"version": None, "digests": {}, "complete": False}
-        # fault injection: the tensor whose first element gets one bit flipped as it loads, or
-        # ("delta:NAME") whose first delta gets one bit flipped
-        self.corrupt, self.corrupt_delta = (
-            (None, corrupt[6:]) if corrupt and corrupt.startswith("delta:") else (corrupt, None)
-        )
+        self.fault = BitFlip(corrupt) if corrupt is not None else None  # fault injection (tests)
         self.held: dict[str, torch.Tensor] = {}  # flat tensors of the last complete sync (plan.keep)
         self.held_version: int | None = None
         # Who the trainer verified: a restart gets a new boot id, and every accepted control event
@@ -197,8 +187,8 @@ class WeightReceiver:
                     refused = refused or f"{exc}"
                 if refused:
                     continue
-            if self.corrupt is not None:
-                tensors = [(n, _flip_one_bit(t) if n == self.corrupt else t) for n, t in tensors]
+            if self.fault is not None:
+                tensors = self.fault.loaded(tensors)
             if plan.keep and base is None:
                 self.held.update((n, t.reshape(-1)) for n, t in tensors)
             if plan.digest:
@@ -228,9 +218,8 @@ class WeightReceiver:
                 )
             for p in t.spans:
                 buf = buffers[p.src]
-                if self.corrupt_delta == t.name and buf.numel() > cursor[p.src] + delta_codec.HEADER_BYTES:
-                    buf[cursor[p.src] + delta_codec.HEADER_BYTES] ^= 1
-                    self.corrupt_delta = None
+                if self.fault is not None:
+                    self.fault.delta_received(t.name, buf, cursor[p.src] + delta_codec.HEADER_BYTES)
                 d, cursor[p.src] = delta_codec.read_delta(buf, cursor[p.src])
                 delta_codec.apply_(held[p.start : p.end], d)
             out.append((t.name, held.view(t.shape)))
@@ -261,147 +250,9 @@ class WeightReceiver:
         self.groups, self.store = {}, None
 
 
-def _flip_one_bit(t):
-    t = t.clone()
-    t.reshape(-1)[:1].view(torch.uint8)[0] ^= 1
-    return t
-
-
-class _Handler(BaseHTTPRequestHandler):
-    receiver: WeightReceiver
-    tensors: dict
-    timeout = 30  # seconds a client may take to send a request (a socket timeout, per connection)
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _reply(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _body(self) -> bytes | None:
-        """The request body, or None after replying 4xx (missing length, too large)."""
-        try:
-            size = int(self.headers.get("content-length", 0))
-        except ValueError:
-            self._reply(400, {"error": "malformed content-length"})
-            return None
-        if size < 0 or size > auth.MAX_BODY_BYTES:
-            self.close_connection = True
-            self._reply(413, {"error": f"control request body of {size} bytes; the limit is {auth.MAX_BODY_BYTES}"})
-            return None
-        return self.rfile.read(size)
-
-    def _authentic(self, body: bytes) -> bool:
-        try:
-            self.receiver.verifier.request(self.command, self.path, body, self.headers)
-            return True
-        except auth.AuthError as exc:
-            self._reply(401, {"error": str(exc)})
-            return False
-
-    def do_GET(self):
-        if self.path.split("?")[0] == "/health":
-            return self._reply(200, {})
-        if not self._authentic(b""):
-            return None
-        if self.path.startswith("/get_world_size"):
-            return self._reply(200, {"world_size": 1})
-        return self._reply(404, {"error": self.path})
-
-    def do_POST(self):
-        raw = self._body()
-        if raw is None or not self._authentic(raw):
-            return None
-        try:
-            body = json.loads(raw or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("expected a JSON object")
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._reply(400, {"error": f"malformed JSON body: {exc}"})
-        path = self.path.split("?")[0]
-        r = self.receiver
-        try:
-            if path == "/init_weight_transfer_engine":
-                r.init(InitInfo(**body["init_info"]))
-            elif path == "/start_weight_update":
-                r.start()
-            elif path == "/update_weights":
-                update = body["update_info"]
-                r.receive(update["plan"], lambda ts: self.tensors.update(ts), update.get("auth"))
-            elif path == "/finish_weight_update":
-                r.finish()
-            elif path == "/collective_rpc":
-                if body.get("method") != "dist_sr_weight_report":
-                    return self._reply(400, {"error": f"unknown method {body.get('method')!r}"})
-                return self._reply(200, {"results": [r.report()]})
-            elif path not in ("/pause", "/resume", "/reset_prefix_cache"):
-                return self._reply(404, {"error": path})
-        except auth.AuthError as exc:
-            return self._reply(401, {"error": str(exc)})
-        except (KeyError, TypeError, ValueError) as exc:  # a request this receiver cannot act on
-            return self._reply(400, {"error": f"bad request to {path}: {type(exc).__name__}: {exc}"})
-        except Exception as exc:  # report to the trainer, as vLLM's routes do
-            return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
-        return self._reply(200, {"status": "ok"})
-
-
-def serve(
-    port: int,
-    host: str = "127.0.0.1",
-    corrupt: str | None = None,
-    *,
-    secret: bytes | None = None,
-    max_bytes: int | None = None,
-    request_timeout_s: float = 30.0,
-) -> ThreadingHTTPServer:
-    handler = type(
-        "Handler",
-        (_Handler,),
-        {
-            "receiver": WeightReceiver(corrupt, secret=secret, max_bytes=max_bytes),
-            "tensors": {},
-            "timeout": request_timeout_s,
-        },
-    )
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description="A bare dist-sr weight receiver (vLLM's weight routes, no model). "
-        f"Needs the job's sync secret in {auth.ENV} or {auth.ENV_FILE}."
-    )
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--max-mb", type=float, default=4096.0, help="largest plan accepted (MiB)")
-    ap.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client may take to send a request")
-    ap.add_argument(
-        "--corrupt",
-        metavar="NAME",
-        help="fault injection (tests): flip one bit of tensor NAME as it "
-        "is loaded, so this receiver holds and reports wrong bits; delta:NAME flips one bit of the "
-        "first delta received for NAME",
-    )
-    args = ap.parse_args()
-    try:
-        server = serve(
-            args.port,
-            args.host,
-            args.corrupt,
-            max_bytes=int(args.max_mb * 2**20),
-            request_timeout_s=args.request_timeout,
-        )
-    except auth.SecretMissing as exc:
-        sys.exit(f"dist-sr receiver: {exc}")
-    server.serve_forever()
-
-
 if __name__ == "__main__":
-    main()
+    # the bare receiver's command before it had a module of its own: run by name, so that this
+    # module imports nothing built on it
+    import runpy
+
+    runpy.run_module("dist_sr.weightsync.receiver_cli", run_name="__main__")

@@ -214,10 +214,12 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing(receiver):
     assert r.ready == [url] and r.attempts == 1  # through the groups it had: no rebuild was needed
 
 
-def test_a_receiver_without_a_secret_does_not_start(receiver):
+@pytest.mark.parametrize("module", ["dist_sr.weightsync.receiver_cli", "dist_sr.weightsync.receiver"])
+def test_a_receiver_without_a_secret_does_not_start(receiver, module):
+    """Both commands: the receiver's own, and the older one (``python -m ...receiver``) that runs it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIST_SR_SYNC_SECRET")}
     p = subprocess.run(
-        [sys.executable, "-m", "dist_sr.weightsync.receiver", "--port", str(free_port())],
+        [sys.executable, "-m", module, "--port", str(free_port())],
         cwd=REPO,
         env=env,
         capture_output=True,
