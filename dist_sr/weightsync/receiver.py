@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import delta as delta_codec
-from ..numerics.backends import cpu
+from ..numerics import warm_up_kernels_in_background
 from ..numerics.digest import DTYPES, tensor_sums
 from . import auth
 from .control import MAX_TIMEOUT_S, TIMEOUT_S
@@ -93,7 +93,7 @@ class WeightReceiver:
         self.max_bytes = max_bytes
         # digests of received (CPU) buckets take the C++ pass once it is loaded (built in the
         # background the first time in an environment; scripts/setup_vllm.sh builds it ahead)
-        cpu.warm_up_in_background()
+        warm_up_kernels_in_background()
         self.groups: dict[int, object] = {}
         self.store = None
         self.rank: int | None = None

@@ -37,7 +37,7 @@ from .. import collectives, faults
 from ..config import Refusal
 from ..engines.checkpoints import MANIFEST, CheckpointCorrupt, verify_manifest, write_atomic, write_manifest
 from ..numerics import delta as delta_codec
-from ..numerics.backends import cpu
+from ..numerics import warm_up_kernels
 from ..numerics.digest import combine, tensor_sums
 from ..sources import digest_entries
 from . import auth
@@ -268,7 +268,7 @@ def materialize(snapshot_dir: str | Path, out: str | Path) -> Materialized:
     try:
         if not _versions(root, "v"):
             raise SnapshotError(f"no snapshot under {root} verifies: there is none yet")
-        for why in cpu.warm_up():
+        for why in warm_up_kernels():
             log.info("snapshot: the torch path stands in for %s", why)
         with _Turn(target):
             tensors, index, m = _newest_provable(root, target)

@@ -104,9 +104,9 @@ class WeightSync:
         self.last: SyncResult | None = None
         self.delta = delta
         if delta:
-            from ..numerics.backends import cpu
+            from ..numerics import warm_up_kernels_in_background
 
-            cpu.warm_up_in_background()  # the delta codec's kernel, built once per environment
+            warm_up_kernels_in_background()  # the delta codec's kernel, built once per environment
         self.sender = Sender(source, transport=transport, rank=self.rank, senders=self.senders, delta=delta)
         self.base_version: int | None = None  # the version every sending rank last sent whole (delta)
         # shard-direct: each rank's flat range of each tensor, exchanged at the first plan (the
