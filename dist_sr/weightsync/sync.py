@@ -231,7 +231,9 @@ class WeightSync:
         plan.digest = verify
         controls = [self.fleet.control(url) for url in self.groups.urls()] if self.rank == 0 else []
         engines = EngineUpdates(self.fleet, controls, self.timeout_s)
-        if self.rank == 0 and not engines.begin(plan):
+        # every rank learns whether the engines began: a rank that sent buckets to engines that
+        # were never asked for them would wait in the transfer, then in a collective rank 0 skips
+        if not self._bcast(engines.begin(plan) if self.rank == 0 else None):
             return Attempt(False, engines.failures)
         group = self.groups.mine() if self.rank < self.senders else None
         sent = self.sender.send(plan, group, base=base, verify=verify, on_bucket=on_bucket)

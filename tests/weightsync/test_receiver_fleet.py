@@ -219,3 +219,41 @@ def test_engines_that_answer_badly_are_marked_down_with_url_and_reason_and_the_s
     finally:
         for b in bad:
             b.close()
+
+
+def _refused_start_worker(rank, world, data):
+    model = _model()
+    ws = WeightSync(
+        ReplicatedSource(model, rank, world),
+        controls(data["urls"], 10),
+        transport="shard-direct",
+        bucket_mb=0.002,
+        timeout_s=10,
+        group_port=data["port"],
+    )
+    r = ws.sync(1)
+    if rank == 0:
+        reference = combine(tensor_sums(dict(model.named_parameters())))
+        with open(data["out"], "w") as f:
+            json.dump(
+                {"ready": r.ready, "attempts": r.attempts, "problems": r.problems, "ok": r.digest == reference}, f
+            )
+
+
+def test_an_engine_refusing_to_start_its_update_costs_every_trainer_rank_one_retry(receivers, tmp_path):
+    """Rank 0 takes the engines through an update; when one refuses to start it (a reply that is
+    not an answer), every rank must give up that attempt together: rank 1 sending its shards to
+    engines never asked for them would wait in the transfer, then in a collective rank 0 skips.
+    The retry goes on without the refusing engine, from both ranks."""
+    from tests.bad_engines import BadEngine
+
+    (_, good), (_, upstream) = receivers(2)
+    bad = BadEngine("banner", on="/start_weight_update", upstream=upstream.removeprefix("http://"))
+    out = tmp_path / "r.json"
+    try:
+        run_workers(_refused_start_worker, 2, {"urls": [good, bad.url], "out": str(out), "port": free_port()})
+    finally:
+        bad.close()
+    r = json.loads(out.read_text())
+    assert r["ready"] == [good] and r["attempts"] == 2 and r["ok"], r
+    assert any(bad.url in p and "BadStatusLine" in p for p in r["problems"]), r["problems"]
