@@ -103,6 +103,22 @@ def test_a_digest_mismatch_names_the_engine_and_tensor_and_stops_its_traffic(fle
     assert ws.sync(6).ready == [a.url]  # the next sync repairs it
 
 
+def test_an_update_started_and_given_up_does_not_cost_the_engine_its_place(fleet):
+    """An attempt given up after this engine started its update (another engine refused to start,
+    or the trainer died before finishing) leaves the update open; the trainer's next start
+    supersedes it, where vLLM's worker alone refuses it ("already active") and the healthy engine
+    would be dropped from every retry."""
+    _, model_dir, engines = fleet
+    a = engines["a"]
+    model = _trainer_model(model_dir, seed=3)
+    (control,) = controls([a.url], 30)
+    control.pause()
+    control.start_update()  # and nothing after it
+    result = _sync(model, [a.url]).sync(7)
+    assert result.ready == [a.url] and result.attempts == 1, result.problems
+    assert result.digest == combine(tensor_sums(dict(model.named_parameters())))
+
+
 def test_grpo_trains_on_fleet_rollouts_with_the_digest_checked_every_step(fleet, tmp_path):
     """... with delta syncs after the first (vLLM's backend applies them to its kept copy, the
     digest checks the result) and the engines' log-probabilities measured against the trainer's."""

@@ -164,6 +164,7 @@ def register() -> None:
             WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DistSRWeightTransferEngine")
         if not caps.engine_lifecycle:
             _bracket_worker_updates()
+        _let_a_start_supersede_an_unfinished_update()
     else:
         log.warning("dist-sr: %s", refusal)
     from . import held
@@ -226,6 +227,30 @@ def _bracket_worker_updates() -> None:
 
     start_weight_update.__dist_sr__ = finish_weight_update.__dist_sr__ = True
     worker.start_weight_update, worker.finish_weight_update = start_weight_update, finish_weight_update
+
+
+def _let_a_start_supersede_an_unfinished_update() -> None:
+    """A start from the trainer while an update it started is unfinished starts over (idempotent).
+    That happens when the trainer gave an attempt up after this engine's start (another engine
+    refused its own, or the trainer died before finishing): vLLM's worker refuses a second start
+    ("already active"), so this engine would fail every retry and be dropped though healthy. The
+    reload the unfinished update opened is closed first (``close_interrupted_reload``, in the
+    engine's start on 0.25 and later, in ``_bracket_worker_updates`` on 0.24). Only dist-sr's
+    backend, whose control routes only the trainer can reach, is let through."""
+    worker = _worker_class()
+    start = worker.start_weight_update
+    if getattr(start, "__dist_sr_supersede__", False):
+        return
+
+    def start_weight_update(self, *args, **kwargs):
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, DistSRWeightTransferEngine) and getattr(self, "_weight_update_active", False):
+            log.warning("dist-sr: a weight update was started and not finished; the trainer's new start supersedes it")
+            self._weight_update_active = False
+        return start(self, *args, **kwargs)
+
+    start_weight_update.__dist_sr__ = start_weight_update.__dist_sr_supersede__ = True
+    worker.start_weight_update = start_weight_update
 
 
 def _update_info_base():
