@@ -59,3 +59,39 @@ def test_the_raised_lr_run_is_matched_against_the_reference_per_seed(tmp_path):
     report = write_report(cfg).read_text()
     assert "## KL to the reference at matched accuracy" in report
     assert "the raised-lr run's KL is the higher in 2 of 2 runs" in report
+
+
+def test_each_run_keeps_its_colour_in_every_signals_panel(tmp_path):
+    """fp32 logs no share of the update not reaching BF16: the runs after it must not take its
+    colour in that panel (they did: RTN's curve was drawn in fp32's colour and SR's in RTN's)."""
+    import matplotlib.pyplot as plt
+
+    from dist_sr.rl.compare.report import signals_figure
+
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "experiment": {"grpo": {"steps": 2}},
+            "start_seeds": [0],
+            "seeds": [0],
+            "runs": [{"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"}],
+            "reference": "bf16",
+            "report_steps": [2],
+        },
+    )
+    for cell in cells(cfg):
+        path = run_dir(cfg, cell, 0, 0)
+        path.mkdir(parents=True)
+        rows = [{"step": s, "reward": 0.5, "changed_frac": 0.5} for s in (1, 2)]
+        if cell.label == "bf16":
+            rows = [{**r, "unfollowed_frac": 0.8} for r in rows]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = signals_figure(cfg)
+    colours = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    plt.close(fig)
+    assert set(colours) == {"fp32", "bf16"} and all(len(c) == 1 for c in colours.values()), colours
+    assert colours["fp32"] != colours["bf16"]

@@ -244,6 +244,16 @@ def _signals_table(cfg: CompareConfig) -> list[str]:
 
 
 def _plot_signals(cfg: CompareConfig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = signals_figure(cfg)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def signals_figure(cfg: CompareConfig):
+    """The per-step signals of every run, one panel per signal, one colour per run in every panel
+    (a run without a signal, as fp32 has no share not reaching BF16, leaves its colour unused)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +267,7 @@ def _plot_signals(cfg: CompareConfig, path: Path) -> None:
         ("mismatch_abs_mean", "trainer-engine gap: mean |dlogp|"),
     )
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2))
-    for cell in cells(cfg):
+    for i, cell in enumerate(cells(cfg)):  # one colour per run in every panel, where it has data or not
         runs = [rows for seeds in data[cell.label].values() for rows in seeds]
         for ax, (key, _) in zip(axes, keys):
             per_step: dict[int, list[float]] = {}
@@ -270,15 +280,14 @@ def _plot_signals(cfg: CompareConfig, path: Path) -> None:
             if key == "reward":
                 ys = [mean(ys[max(0, i - 4) : i + 1]) for i in range(len(ys))]
             if steps:
-                ax.plot(steps, ys, label=cell.label)
+                ax.plot(steps, ys, color=f"C{i}", label=cell.label)
     for ax, (key, title) in zip(axes, keys):
         ax.set(title=title, xlabel="GRPO step")
         if key == "changed_frac" and any(y > 0 for ln in ax.get_lines() for y in ln.get_ydata()):
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _plot(cfg: CompareConfig, summary: Summary, path: Path) -> None:
