@@ -29,7 +29,9 @@ LAYOUTS = {
 }
 
 
-def ds_config(layout):
+def ds_json(**sections):
+    """The DeepSpeed JSON the DeepSpeed tests train with (micro-batch 2, bf16, torch's AdamW, the
+    SR block), plus ``sections`` (``zero_optimization`` and any other)."""
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -37,8 +39,12 @@ def ds_config(layout):
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "stochastic_rounding": SR_BLOCK,
-        **LAYOUTS[layout],
+        **sections,
     }
+
+
+def ds_config(layout):
+    return ds_json(**LAYOUTS[layout])
 
 
 def engine_for(layout):

@@ -13,7 +13,7 @@ import torch
 
 from tests.dist_utils import run_workers
 from tests.engines.models import forward_weights, tiny_qwen2
-from tests.engines.test_deepspeed import SEED, assert_keyed, train
+from tests.engines.test_deepspeed import SEED, assert_keyed, ds_json, train
 
 deepspeed = pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -32,16 +32,7 @@ OFFLOAD = {
 
 
 def config(zero, **extra):
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10_000,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "stochastic_rounding": {"enabled": True, "seed": SEED, "mode": "stochastic"},
-        "zero_optimization": zero,
-        **extra,
-    }
+    return ds_json(zero_optimization=zero, **extra)
 
 
 def engine_for(zero, **extra):
