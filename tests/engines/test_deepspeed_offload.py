@@ -167,3 +167,144 @@ def test_mics_is_refused_by_name_where_deepspeed_still_offers_it():
     with pytest.raises(UnsupportedDeepSpeed, match="mics_shard_size=2"):
         check_zero_features(engine)  # an engine built by DeepSpeed < 0.19.8, which still had MiCS
     check_zero_features(SimpleNamespace(config={"zero_optimization": {"stage": 3}}))
+
+
+# ZenFlow as its users write it: ZeRO-Offload with a "zenflow" block and DeepSpeed's own CPU Adam
+# (ZenFlow's selective AdamW refuses torch's). Its sequential form trains on this CPU at stage 2;
+# at stage 3 DeepSpeed builds it here and its backward then needs CUDA.
+ZENFLOW = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 2, "update_interval": 2}
+
+
+def zenflow_config(stage: int, sr: bool = True) -> dict:
+    cfg = config({"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": ZENFLOW})
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    if not sr:
+        del cfg["stochastic_rounding"]
+    return cfg
+
+
+def built_engines():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+
+
+def _zenflow_block_worker(rank, world_size, stage):
+    from dist_sr.engines.deepspeed import UnsupportedDeepSpeed
+
+    assert getattr(deepspeed.initialize, "__dist_sr_hook__", False), "the start-up hook is not installed here"
+    model = tiny_qwen2()
+    with pytest.raises(UnsupportedDeepSpeed, match=r"^zero_optimization\.zenflow: .*Remove the \"zenflow\" block"):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=zenflow_config(stage))
+    assert built_engines() == []  # refused from the config, before DeepSpeed built anything
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zenflow_with_the_sr_block_is_refused_by_name_before_deepspeed_builds_it(stage):
+    run_workers(_zenflow_block_worker, 1, stage)
+
+
+def _zenflow_env_worker(rank, world_size, path, stage, expect_class):
+    import argparse
+
+    from dist_sr.engines.deepspeed import UnsupportedDeepSpeed
+
+    os.environ["DIST_SR_SEED"] = "1234"  # the switch from the job's environment, a config without the block
+    args = argparse.Namespace(deepspeed_config=path, local_rank=0)
+    model = tiny_qwen2()
+    with pytest.raises(UnsupportedDeepSpeed, match=r"^zero_optimization\.zenflow: "):
+        deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    (engine,) = built_engines()  # DeepSpeed built ZenFlow: refused on what it built, before the first step
+    assert type(engine.optimizer).__name__ == expect_class and engine.global_steps == 0
+    assert getattr(engine, "dist_sr", None) is None
+
+
+@pytest.mark.parametrize(
+    "stage, expect_class", [(2, "ZenFlowZeroOptimizerSequential"), (3, "DeepSpeedZeroOptimizer_Stage3")]
+)
+def test_zenflow_switched_on_by_dist_sr_seed_is_refused_on_the_optimizer_deepspeed_built(tmp_path, stage, expect_class):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(zenflow_config(stage, sr=False)))
+    run_workers(_zenflow_env_worker, 1, str(path), stage, expect_class)
+
+
+def _zenflow_unkeyed_worker(rank, world_size):
+    os.environ.pop("DIST_SR_SEED", None)
+    model = tiny_qwen2()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=zenflow_config(2, False))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    ids = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(7))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    moved = [n for n, p in engine.module.named_parameters() if not torch.equal(p.detach(), before[n])]
+    # no optimizer step, so no FP32->BF16 copy yet: ZenFlow's selective AdamW wrote these in BF16
+    assert engine.global_steps == 0 and moved, moved
+
+
+def test_zenflow_writes_the_bf16_weights_in_its_backward_where_no_copy_site_runs():
+    """Why ZenFlow is refused rather than keyed: it changes the working weights outside every
+    FP32->BF16 copy (its BF16 update of the selected columns runs inside the backward pass)."""
+    run_workers(_zenflow_unkeyed_worker, 1)
+
+
+def test_superoffload_is_refused_by_name_from_the_config_and_from_its_optimizer_class():
+    """SuperOffload needs a CUDA GPU to build, so here: the config's field (checked before
+    DeepSpeed builds anything) and the check a built engine's optimizer goes through (its class)."""
+    from deepspeed.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3
+
+    from dist_sr.engines.deepspeed import UnsupportedDeepSpeed
+    from dist_sr.engines.deepspeed.layouts import check_optimizer, check_zero_config
+
+    words = r"^zero_optimization\.offload_optimizer\.super_offload: .*\"super_offload\": false"
+    with pytest.raises(UnsupportedDeepSpeed, match=words):
+        check_zero_config({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}})
+    check_zero_config({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": False}})
+    with pytest.raises(UnsupportedDeepSpeed, match=words):
+        check_optimizer(SuperOffloadOptimizer_Stage3.__new__(SuperOffloadOptimizer_Stage3))  # its class alone
+
+
+class _CopiesItself:
+    """A ZeRO-1/2 optimizer class that rewrites the BF16 partitions itself after DeepSpeed's step
+    (round-to-nearest from the masters), as ZenFlow's does: what dist-sr must detect."""
+
+    @staticmethod
+    def build():
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        class CopiesItself(DeepSpeedZeroOptimizer):
+            def step(self, closure=None):
+                super().step(closure)
+                for i, flat in enumerate(self.single_partition_of_fp32_groups):
+                    self.parallel_partitioned_bit16_groups[i][0].data.copy_(flat.data)
+
+        class OnlyConstructs(DeepSpeedZeroOptimizer):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.built_by_a_subclass = True
+
+        return CopiesItself, OnlyConstructs
+
+
+def _subclass_worker(rank, world_size):
+    from deepspeed.runtime import engine as ds_engine
+
+    from dist_sr.engines.deepspeed import UnsupportedDeepSpeed
+
+    copies_itself, only_constructs = _CopiesItself.build()
+    ds_engine.DeepSpeedZeroOptimizer = copies_itself  # where DeepSpeed's engine finds its ZeRO-1/2 class
+    model = tiny_qwen2()
+    with pytest.raises(
+        UnsupportedDeepSpeed, match=r"CopiesItself, a subclass of DeepSpeedZeroOptimizer .*replacing step"
+    ):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config({"stage": 2}))
+    ds_engine.DeepSpeedZeroOptimizer = only_constructs  # constructs differently, copies as tested
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config({"stage": 2}))
+    assert engine.optimizer.built_by_a_subclass
+    train(engine, 2)
+    assert_keyed(engine)
+
+
+def test_a_zero_optimizer_subclass_with_its_own_methods_is_refused_naming_them_and_one_without_is_keyed():
+    run_workers(_subclass_worker, 1)

@@ -19,10 +19,15 @@ shards their place in the full parameter (``tp``), never a flat-buffer offset.
 - ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, with or without ``offload_param`` /
   ``offload_optimizer``): DeepSpeed's copy of each sub-group's FP32 partition into its BF16
   partition is replaced by the rounding on the masters' device and one copy of the bits.
+
+Any other optimizer is refused before the first step (``check_optimizer``): ZenFlow and
+SuperOffload by their config fields, and any subclass of the four classes above that defines
+methods of its own (it may write the BF16 weights itself, as both of those do), naming them.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Callable
 
@@ -328,6 +333,7 @@ def layout_for(sr) -> Layout:
 
     opt, engine = sr.optimizer, sr.engine
     check_zero_features(engine)
+    check_optimizer(opt)
     if tp_size(engine) > 1 and not isinstance(opt, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         raise UnsupportedDeepSpeed(
             f'"tensor_parallel": {{"autotp_size": {tp_size(engine)}}} with ZeRO stage '
@@ -364,10 +370,75 @@ def layout_for(sr) -> Layout:
         )
     if isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
         return Stage0Layout(sr)
-    raise NotImplementedError(
+    raise UnsupportedDeepSpeed(
         f"dist_sr supports ZeRO stages 0-3 (stage 0 through FP16_UnfusedOptimizer); this engine's optimizer "
         f"is {type(opt).__name__} (ZeRO stage {engine.zero_optimization_stage()}). Use "
         '"zero_optimization": {"stage": 1} or higher'
+    )
+
+
+# The tested optimizer classes (the keys of ``layout_for``) and, for each, the methods that hold
+# the FP32->BF16 copy dist-sr takes over or run the step around it (DeepSpeed 0.19.8).
+COPY_SITES = {
+    "DeepSpeedZeroOptimizer_Stage3": (
+        "step",
+        "_reassign_or_swap_out_partitioned_parameters",
+        "_unflatten_partitioned_parameters",
+        "_partitioned_params_swap_out",
+    ),
+    "DeepSpeedZeroOptimizer": ("step", "_optimizer_step", "_update_model_bit16_weights"),
+    "BF16_Optimizer": ("step", "update_lp_params"),
+    "FP16_UnfusedOptimizer": ("step",),
+}
+
+
+def tested_classes() -> tuple[type, ...]:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return (DeepSpeedZeroOptimizer_Stage3, DeepSpeedZeroOptimizer, BF16_Optimizer, FP16_UnfusedOptimizer)
+
+
+def own_methods(cls: type, base: type) -> list[str]:
+    """The methods ``cls`` and its ancestors below ``base`` define (constructors aside)."""
+    below = cls.__mro__[: cls.__mro__.index(base)]
+    return sorted(
+        {
+            name
+            for klass in below
+            for name, value in vars(klass).items()
+            if name != "__init__"
+            and (inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod, property)))
+        }
+    )
+
+
+def check_optimizer(opt) -> None:
+    """Refuse an optimizer whose BF16 working weights dist-sr does not know it keys: ZenFlow and
+    SuperOffload by name, and any subclass of a tested class (``COPY_SITES``) that defines methods
+    of its own, which may write the BF16 weights outside the copy sites dist-sr takes over (both
+    of those do). Detected from the class, not assumed from the config."""
+    if getattr(opt, "zenflow", False):  # ZeRO-1/2: ZenFlowZeroOptimizer; ZeRO-3: the stage-3 class with ZenFlow's hooks
+        check_zero_config({"zenflow": type(opt).__name__})
+    if type(opt).__name__ == "SuperOffloadOptimizer_Stage3":
+        check_zero_config({"offload_optimizer": {"super_offload": True}})
+    cls = type(opt)
+    base = next((b for b in cls.__mro__ if b in tested_classes()), None)
+    if base is None or base is cls:
+        return
+    own = own_methods(cls, base)
+    if not own:
+        return  # a subclass that only constructs differently: the tested methods do the copies
+    replaced = [m for m in own if m in COPY_SITES[base.__name__]]
+    raise UnsupportedDeepSpeed(
+        f"DeepSpeed's optimizer is {cls.__module__}.{cls.__qualname__}, a subclass of {base.__name__} that "
+        f"defines its own {', '.join(own)}"
+        + (f" (replacing {', '.join(replaced)}, where {base.__name__} copies FP32 to BF16)" if replaced else "")
+        + f": dist-sr keys the copies of {base.__name__} and does not assume this class writes the BF16 weights "
+        "only there. Turn off the DeepSpeed feature that selects it (train with DeepSpeed's own "
+        f'{base.__name__}), or leave out "stochastic_rounding"'
     )
 
 
@@ -399,6 +470,22 @@ def check_zero_config(zero: dict) -> None:
         raise UnsupportedDeepSpeed(
             f"zero_optimization.mics_shard_size={mics}: MiCS partitions parameters within shard groups, which "
             "dist-sr does not key; drop mics_shard_size (plain ZeRO-3, or hpZ with zero_hpz_partition_size)"
+        )
+    if zero.get("zenflow") is not None:
+        raise UnsupportedDeepSpeed(
+            "zero_optimization.zenflow: ZenFlow writes the BF16 weights outside the copies dist-sr keys: its "
+            "selective AdamW updates the selected columns of the working weights in BF16 during the backward pass "
+            "(no FP32 master), each selection copies BF16 back over the FP32 masters, and with overlap_step it "
+            'copies FP32 to BF16 itself (round-to-nearest). Remove the "zenflow" block (ZeRO-Offload without it, '
+            '"offload_optimizer": {"device": "cpu"}, is keyed), or leave out "stochastic_rounding"'
+        )
+    offload = zero.get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("super_offload"):
+        raise UnsupportedDeepSpeed(
+            "zero_optimization.offload_optimizer.super_offload: SuperOffload (SuperOffloadOptimizer_Stage3, CUDA "
+            "only) steps the CPU optimizer asynchronously during the backward pass and copies FP32 to BF16 in its "
+            'own methods, which dist-sr has not run and does not assume it keys. Set "super_offload": false '
+            '(ZeRO-3 with "offload_optimizer": {"device": "cpu"} is keyed), or leave out "stochastic_rounding"'
         )
 
 
