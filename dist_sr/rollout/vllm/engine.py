@@ -29,6 +29,21 @@ from .control import controls, http
 log = logging.getLogger(__name__)
 
 
+VLLM_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def served_dtype(module: torch.nn.Module) -> str:
+    """vLLM's ``--dtype`` for an engine that serves ``module``'s working weights as they are: its
+    parameters' dtype (an FP32 trainer's engine computes in FP32, not on a BF16 cast of them)."""
+    dtype = next(module.parameters()).dtype
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError(
+            f"rollout.vllm.local_python: the trainer's working weights are {dtype}, which a local vLLM engine "
+            f"does not serve; use a precision whose working dtype is one of {sorted(VLLM_DTYPES.values())}"
+        )
+    return VLLM_DTYPES[dtype]
+
+
 class VLLMFleetEngine:
     """The rollout engine over a fleet of ``vllm serve`` engines (``rollout.vllm``): its own
     processes or pods, reached over HTTP and fed the trainer's bits over the weight-transfer group."""
@@ -48,7 +63,8 @@ class VLLMFleetEngine:
     def build(cls, config, trainer, tokenizer, *, device, sharded: bool, source=None) -> VLLMFleetEngine:
         """The fleet of ``config.vllm``; with ``local_python``, engines started here first, serving the
         checkpoint the trainer's model was loaded from (``name_or_path``) in the trainer's working
-        dtype (FP16 for fp16, else BF16: an FP32 trainer's engine serves the BF16 cast)."""
+        dtype (``served_dtype``: FP32 for fp32, FP16 for fp16, else BF16), so every precision's
+        rollouts come from its own weights: on-policy."""
         fleet = config.vllm
         if not fleet.local_python:
             return cls.from_config(fleet, trainer, tokenizer, device=device, source=source)
@@ -66,7 +82,7 @@ class VLLMFleetEngine:
                 f"rollout.vllm.local_python: the trainer's model was not loaded from a local checkpoint directory "
                 f"({model_dir!r}); local engines serve that directory"
             )
-        dtype = "float16" if next(trainer.module.parameters()).dtype == torch.float16 else "bfloat16"
+        dtype = served_dtype(trainer.module)
         log_dir = Path(fleet.local_log_dir) if fleet.local_log_dir else Path(model_dir).parent / "engines"
         engines = start_local_engines(fleet, model_dir, dtype=dtype, log_dir=log_dir)
         try:
