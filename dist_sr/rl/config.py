@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..cluster import ClusterConfig
 from ..config import ConfigError, from_dict, load_document
@@ -15,7 +16,7 @@ from ..engines import DistributedConfig, engine_class, engine_names
 from ..optim import OPTIMIZERS
 from ..precision import PrecisionConfig
 from ..rollout.config import RolloutConfig
-from .tasks import TASKS
+from .tasks import RG_ANSWERS, TASKS
 
 __all__ = [
     "ClusterConfig",
@@ -24,6 +25,7 @@ __all__ = [
     "EvalConfig",
     "ExperimentConfig",
     "GRPOConfig",
+    "GymConfig",
     "ModelConfig",
     "RolloutConfig",
     "TaskConfig",
@@ -58,8 +60,30 @@ class ModelConfig:
 
 
 @dataclass
+class GymConfig:
+    """A reasoning-gym dataset (``task.name: reasoning-gym``; ``tasks.ReasoningGym``)."""
+
+    dataset: str = "chain_sum"  # a name in reasoning_gym's registry
+    params: dict[str, Any] = field(default_factory=dict)  # the dataset's config (min_terms, max_digits, ...)
+    seed: int = 0  # the generator's seed; also seeds the train/eval split
+    size: int = 100_000  # generator indices drawn from
+    eval_share: float = 0.25  # share of questions held out for evaluation (by a hash of the text)
+    answer: str = "last-number"  # what is scored: last-number | tag (<answer>...</answer>) | full
+
+    def __post_init__(self):
+        if not isinstance(self.params, dict):
+            raise ConfigError(f"task.gym.params must be a mapping of the dataset's config fields, got {self.params!r}")
+        if not 0 < self.eval_share < 1:
+            raise ConfigError(f"task.gym.eval_share must be in (0, 1), got {self.eval_share}")
+        if self.size < 1:
+            raise ConfigError(f"task.gym.size must be >= 1, got {self.size}")
+        if self.answer not in RG_ANSWERS:
+            raise ConfigError(f"task.gym.answer: choose one of {', '.join(RG_ANSWERS)}, got {self.answer!r}")
+
+
+@dataclass
 class TaskConfig:
-    name: str = "reverse"  # reverse | add | chat-add (a chat model's own format) | dataset
+    name: str = "reverse"  # reverse | add | chat-add (a chat model's own format) | dataset | reasoning-gym
     num_digits: int = 5  # chat-add: each operand has 1..num_digits digits
     question: str = "What is {a} + {b}?"  # chat-add: the user message
     source: str | None = None  # dataset: file path (.jsonl/.json/.parquet/.csv) or hub name
@@ -67,8 +91,13 @@ class TaskConfig:
     prompt_field: str = "question"
     answer_field: str = "answer"
     answer_format: str = "gsm8k"
+    gym: GymConfig | None = None  # reasoning-gym: which dataset, its config, the split
 
     def __post_init__(self):
+        if self.name == "reasoning-gym" and self.gym is None:
+            self.gym = GymConfig()
+        if self.gym is not None and self.name != "reasoning-gym":
+            raise ConfigError(f"task.gym is for task.name reasoning-gym; task.name is {self.name!r}")
         if self.name not in TASKS:
             raise ConfigError(f"task.name: unknown task {self.name!r}; choose one of {', '.join(TASKS)}")
         if self.name == "dataset" and not self.source:
@@ -91,6 +120,9 @@ class WarmupConfig:
     eval_prompts: int = 512
     seed: int = 0
     cache_dir: str = "runs/cache"
+    # model.path set: warm its checkpoint up too (right answers only, from its BF16 cast), one start
+    # checkpoint per warm-up seed, instead of starting every run from the cast itself
+    pretrained: bool = False
 
 
 @dataclass
@@ -183,6 +215,11 @@ class ExperimentConfig:
     threads: int | None = None  # torch.set_num_threads
 
     def __post_init__(self):
+        if self.warmup.pretrained and (self.model.path is None or not self.warmup.enabled):
+            raise ConfigError(
+                "warmup.pretrained warms up the checkpoint of model.path: set model.path (and warmup.enabled), "
+                "or set warmup.pretrained to false"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 (or null for torch's default), got {self.threads}")
         if self.checkpoint_every < 0:

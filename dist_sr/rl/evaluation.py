@@ -13,8 +13,9 @@ from .tasks import Example, Task
 
 
 def fixed_examples(task: Task, n: int, seed: int) -> list[Example]:
+    """``n`` evaluation examples drawn with ``seed`` (from the task's held-out split, if it has one)."""
     rng = random.Random(seed)
-    return [task.sample(rng) for _ in range(n)]
+    return [task.sample_eval(rng) for _ in range(n)]
 
 
 @torch.no_grad()
@@ -31,7 +32,8 @@ def evaluate(
     batch_size: int = 512,
     stop_early: bool = True,
 ) -> dict[str, float]:
-    """Sampled accuracy (and exact KL to ``ref_model`` at the answer positions) on ``examples``.
+    """Sampled accuracy (the share of completions the task scores 1.0, i.e. solved) and exact KL to
+    ``ref_model`` at the answer positions, on ``examples``.
 
     The sampling noise comes from a generator seeded with ``seed``: every evaluation of every run
     draws the same noise, so differences between runs come from the weights alone.
@@ -59,7 +61,7 @@ def evaluate(
             texts = tokenizer.batch_decode(
                 comp * comp_mask + tokenizer.pad_token_id * (1 - comp_mask), skip_special_tokens=True
             )
-            correct += sum(task.reward(t, e.answer) for t, e in zip(texts, chunk))
+            correct += sum(float(task.score(t, e) >= 1.0) for t, e in zip(texts, chunk))
             if ref_model is not None:
                 lp = sequence_logits(model, ids, mask, comp, comp_mask)
                 lq = sequence_logits(ref_model, ids, mask, comp, comp_mask)

@@ -1,28 +1,43 @@
 """Verifiable-reward tasks: generated ones (digit reversal, addition, addition asked in a
-pretrained model's own chat format) and datasets from files.
+pretrained model's own chat format), datasets from files, and reasoning-gym's procedural datasets
+asked in a chat model's template and scored by their own verifiers.
 
-A task yields ``Example(prompt, answer)`` and scores a completion with an exact-match reward.
+A task yields ``Example(prompt, answer)`` for training (``sample``) and for evaluation
+(``sample_eval``: a held-out split where the task has one) and scores a completion against an
+example (``score``, in [0, 1]; 1 is solved).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+from ..config import ConfigError
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: str
     answer: str
+    # the source's own record of the example (reasoning-gym's entry: what its verifier reads)
+    entry: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
 
 class Task:
     name = "task"
 
     def sample(self, rng: random.Random) -> Example:
+        """A training example."""
         raise NotImplementedError
+
+    def sample_eval(self, rng: random.Random) -> Example:
+        """An evaluation example: from the held-out split where the task has one, else drawn like
+        a training example."""
+        return self.sample(rng)
 
     def extract(self, completion: str) -> str:
         """The answer a completion gives (what the reward compares)."""
@@ -30,6 +45,10 @@ class Task:
 
     def reward(self, completion: str, answer: str) -> float:
         return float(self.extract(completion) == answer)
+
+    def score(self, completion: str, example: Example) -> float:
+        """The reward of ``completion`` for ``example``, in [0, 1]; 1.0 counts as solved."""
+        return self.reward(completion, example.answer)
 
 
 class DigitTask(Task):
@@ -190,4 +209,125 @@ class ChatArithmetic(Task):
         return last_integer(completion) or ""
 
 
-TASKS = {"reverse": ReverseDigits, "add": Addition, "dataset": DatasetTask, "chat-add": ChatArithmetic}
+_DECIMAL = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (an integer or a decimal; digit-group commas removed; a
+    minus sign directly before it kept), or None when there is none."""
+    found = _DECIMAL.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def held_out(question: str, seed: int, share: float) -> bool:
+    """Whether ``question`` belongs to the evaluation split: a hash of the question's text and
+    ``seed``, below ``share`` of its range. By the text, so a question generated twice (under two
+    indices) lands in one split only: train and eval never share a question."""
+    h = int.from_bytes(hashlib.blake2b(f"{seed}/{question}".encode(), digest_size=8).digest(), "little")
+    return h < share * 2**64
+
+
+RG_ANSWERS = ("last-number", "tag", "full")
+
+
+class ReasoningGym(Task):
+    """A dataset of ``reasoning-gym`` (procedural generators with their own verifiers, e.g.
+    ``chain_sum``: "State the final answer to the following arithmetic problem: 4 - 1 ="), asked
+    as one user turn in a chat model's template, no system prompt (``chat_prompt``).
+
+    Reward: the dataset's own ``score_answer(answer, entry)`` on the answer the completion gives:
+    ``answer="last-number"`` (default) its last number (``last_number``: a small chat model
+    explains before it answers), ``"tag"`` the text inside reasoning-gym's ``<answer>`` tags,
+    ``"full"`` the whole completion, stripped. The verifier may give partial credit (chain_sum's
+    for a wrong number that contains the answer); 1.0 is solved.
+
+    Split: the generator (``seed``, ``size`` indices, ``params`` its config) is shared, and each
+    question goes to evaluation or training by a hash of its text (``held_out``, ``eval_share`` of
+    the questions), so the two never share a question. ``sample`` draws training questions,
+    ``sample_eval`` held-out ones, each by index with ``rng``.
+    """
+
+    name = "reasoning-gym"
+
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        tokenizer,
+        params: dict | None = None,
+        seed: int = 0,
+        size: int = 100_000,
+        eval_share: float = 0.25,
+        answer: str = "last-number",
+    ):
+        try:
+            import reasoning_gym
+        except ImportError:
+            raise ConfigError(
+                "task.name reasoning-gym needs the reasoning-gym package: bash scripts/setup.sh rl (it is in "
+                "the rl extra)"
+            ) from None
+        if answer not in RG_ANSWERS:
+            raise ConfigError(f"task.gym.answer must be one of {', '.join(RG_ANSWERS)}, got {answer!r}")
+        if not 0 < eval_share < 1:
+            raise ConfigError(
+                f"task.gym.eval_share must be in (0, 1) (the share of questions held out), got {eval_share}"
+            )
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("the tokenizer has no chat template; task.name reasoning-gym asks in a chat model's own")
+        from reasoning_gym.factory import DATASETS
+
+        if dataset not in DATASETS:
+            raise ConfigError(
+                f"task.gym.dataset: reasoning-gym has no dataset {dataset!r}; choose one of "
+                f"{', '.join(sorted(DATASETS))}"
+            )
+        try:
+            self.data = reasoning_gym.create_dataset(dataset, seed=seed, size=size, **(params or {}))
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise ConfigError(
+                f"task.gym.params {params!r}: reasoning-gym's {dataset} refused them ({exc}); give fields of its config"
+            ) from None
+        self.dataset, self.seed, self.size, self.eval_share = dataset, seed, size, eval_share
+        self.tokenizer, self.answer = tokenizer, answer
+
+    def _draw(self, rng: random.Random, evaluation: bool) -> Example:
+        for _ in range(100_000):
+            entry = self.data[rng.randrange(self.size)]
+            if held_out(entry["question"], self.seed, self.eval_share) == evaluation:
+                return Example(chat_prompt(self.tokenizer, entry["question"]), str(entry["answer"]), entry)
+        split = "evaluation" if evaluation else "training"
+        raise ConfigError(
+            f"reasoning-gym {self.dataset!r}: no {split} question in 100000 draws; raise task.gym.size or "
+            "move task.gym.eval_share away from 0 and 1"
+        )
+
+    def sample(self, rng: random.Random) -> Example:
+        return self._draw(rng, evaluation=False)
+
+    def sample_eval(self, rng: random.Random) -> Example:
+        return self._draw(rng, evaluation=True)
+
+    def extract(self, completion: str) -> str:
+        if self.answer == "last-number":
+            return last_number(completion) or ""
+        if self.answer == "tag":
+            from reasoning_gym.utils import extract_answer
+
+            return extract_answer(completion) or ""
+        return completion.strip()
+
+    def score(self, completion: str, example: Example) -> float:
+        return float(self.data.score_answer(self.extract(completion), example.entry))
+
+    def reward(self, completion: str, answer: str) -> float:
+        raise TypeError("a reasoning-gym task scores against the example's entry: call score(completion, example)")
+
+
+TASKS = {
+    "reverse": ReverseDigits,
+    "add": Addition,
+    "dataset": DatasetTask,
+    "chat-add": ChatArithmetic,
+    "reasoning-gym": ReasoningGym,
+}

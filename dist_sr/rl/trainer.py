@@ -218,8 +218,8 @@ class GRPORun:
             generator=torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step, self.stream("sample"))),
             with_digest=verify,
         )
-        answers = [e.answer for e in examples for _ in range(g.samples_per_prompt)]
-        rewards = torch.tensor([self.task.reward(t, a) for t, a in zip(ro.texts, answers)], device=self.device)
+        per_sample = [e for e in examples for _ in range(g.samples_per_prompt)]
+        rewards = torch.tensor([self.task.score(t, e) for t, e in zip(ro.texts, per_sample)], device=self.device)
         if verify:
             trainer_digest = self.own_digest()
             if ro.weight_digest != trainer_digest:

@@ -134,8 +134,8 @@ def test_a_sweep_reports_each_learning_rate_with_its_dead_zone(tmp_path):
         curves[(f"bf16@{lr}", 0, 0)] = [0.2, 0.2 + rtn_gain, 0.4]
     write_curves(cfg, curves, dead={"bf16@2e-06": 0.999, "bf16@2e-05": 0.98})
     report = write_report(cfg).read_text()
-    assert "| 2e-06 | 0.9990 | 0.10% | 0.400 | 0.400 | 0.400 | 0.10x | 1.00x | 2.00x |" in report
-    assert "| 2e-05 | 0.9800 | 2.00% | 0.400 | 0.400 | 0.400 | 0.80x | 1.00x | 1.00x |" in report
+    assert "| 2e-06 | 0.9990 | 0.10% | 0.400 @20 | 0.400 @20 | 0.400 @20 | 0.10x @10, 1.00x @20 | 2.00x |" in report
+    assert "| 2e-05 | 0.9800 | 2.00% | 0.400 @20 | 0.400 @20 | 0.400 @20 | 0.80x @10, 1.00x @20 | 1.00x |" in report
     assert "at lr 2e-06: holds at 1/1" in report and (tmp_path / "sweep.png").stat().st_size > 0
 
 
@@ -278,3 +278,145 @@ def test_the_larger_experiments_cpu_form_is_the_gpu_one_reduced_as_it_says():
     assert (a.grpo.steps, b.grpo.steps) == (100, 300) and (cpu.start_seeds, cpu.seeds) == ([0], [0])
     assert {c.spec.precision for c in cells(cpu)} == {"fp32", "bf16", "bf16-sr"}
     assert warmup_threads(cpu.parallel, 1) == 2 and warmup_threads(2, 3) == 1 and warmup_threads(4, 0) == 4
+
+
+def write_runs(cfg, curves: dict, gaps: dict | None = None, steps: dict | None = None) -> None:
+    """Metrics files with eval rows every 5 steps: ``curves[(label, start, seed)]`` is the accuracy at
+    steps 0, 5, 10, ...; every train row logs the trainer-engine gap ``gaps[label]`` (if given)."""
+    for cell in cells(cfg):
+        for start in cfg.start_seeds:
+            for seed in run_seeds(cfg, cell):
+                acc = curves[(cell.label, start, seed)]
+                path = run_dir(cfg, cell, start, seed)
+                path.mkdir(parents=True)
+                rows = [{"step": 0, "eval_accuracy": acc[0], "eval_kl": 0.0}]
+                for step in range(1, 5 * (len(acc) - 1) + 1):
+                    row = {"step": step, "reward": 0.5, "changed_frac": 0.01}
+                    if gaps and cell.label in gaps:
+                        row["mismatch_abs_mean"] = gaps[cell.label]
+                    if step % 5 == 0:
+                        row.update(eval_accuracy=acc[step // 5], eval_kl=1e-3 * step)
+                    rows.append(row)
+                (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_run_trains_at_the_rates_it_names_and_a_rate_has_its_own_steps_and_report_steps(tmp_path):
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "experiment": {"grpo": {"steps": 10}},
+            "start_seeds": [0],
+            "seeds": [0, 1],
+            "lrs": [1e-6, 1e-5],
+            "per_lr": [{"lr": 1e-6, "steps": 20, "report_steps": [10, 20]}],
+            "report_steps": [5, 10],
+            "runs": [
+                {"name": "fp32", "precision": "fp32", "lrs": [1e-5]},
+                {"name": "bf16", "precision": "bf16"},
+                {"name": "bf16-sr", "precision": "bf16-sr"},
+            ],
+        },
+    )
+    assert [c.label for c in cells(cfg)] == ["bf16@1e-06", "bf16-sr@1e-06", "fp32@1e-05", "bf16@1e-05", "bf16-sr@1e-05"]
+    steps = {c.label: run_config(cfg, c, 0, 0).grpo.steps for c in cells(cfg)}
+    assert steps == {"bf16@1e-06": 20, "bf16-sr@1e-06": 20, "fp32@1e-05": 10, "bf16@1e-05": 10, "bf16-sr@1e-05": 10}
+    curves = {}
+    for seed in (0, 1):
+        curves[("bf16-sr@1e-06", 0, seed)] = [0.2, 0.2, 0.25, 0.3, 0.4]  # steps 0..20
+        curves[("bf16@1e-06", 0, seed)] = [0.2, 0.2, 0.2, 0.2, 0.21]
+        for name in ("fp32", "bf16-sr", "bf16"):
+            curves[(f"{name}@1e-05", 0, seed)] = [0.2, 0.4, 0.5]  # steps 0, 5, 10
+    write_runs(cfg, curves)
+    summary = summarize(cfg)
+    assert list(summary["bf16-sr@1e-06"].accuracy_at) == [10, 20] and list(summary["fp32@1e-05"].accuracy_at) == [5, 10]
+    report = write_report(cfg).read_text()
+    checks = [line for line in report.splitlines() if line.startswith("- [")]
+    assert any("bf16 (RTN) gain at step 10 <= 0.6x bf16-sr's at lr 1e-06" in c for c in checks)  # its own first step
+    assert any("bf16 (RTN) gain at step 5 <= 0.6x bf16-sr's at lr 1e-05" in c for c in checks)
+    assert "| fp32@1e-05 | 0.400 ± 0.000 / 0.000 | 0.500 ± 0.000 / 0.000 | — |" in report  # no step-20 value
+    assert "| 1e-06 | — | — | — | 0.210 @20 | 0.400 @20 | 0.00x @10, 0.05x @20 | RTN: 0/2 runs reach it |" in report
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"lrs": [1e-5], "runs": [{"name": "bf16-sr", "lrs": [1e-6]}]}, "runs\\[0\\].lrs=\\[1e-06\\]: a run trains"),
+        (
+            {"lrs": [1e-6, 1e-5], "runs": [{"name": "bf16-sr", "lrs": [1e-5]}, {"name": "b", "precision": "bf16"}]},
+            "the reference 'bf16-sr' must train at every learning rate",
+        ),
+        ({"lrs": [1e-5], "per_lr": [{"lr": 1e-6, "steps": 5}]}, "per_lr\\[0\\].lr=1e-06 is not one of"),
+        ({"lrs": [1e-5], "per_lr": [{"lr": 1e-5, "steps": 0}]}, "per_lr\\[0\\].steps must be >= 1"),
+        ({"on_policy_gap": 0}, "on_policy_gap must be > 0"),
+    ],
+)
+def test_bad_per_rate_settings_are_refused_naming_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_compare(None, overrides)
+
+
+def test_claims_are_checked_on_intervals_over_seeds_and_refused_for_a_run_that_is_not_on_policy(tmp_path):
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "experiment": {"grpo": {"steps": 10}},
+            "start_seeds": [0, 1],
+            "seeds": [0, 1, 2],
+            "report_steps": [5, 10],
+            "runs": [*RUNS, {"name": "fp16", "precision": "fp16"}],
+            "on_policy_gap": 0.05,
+        },
+    )
+    curves = {}
+    for start in (0, 1):
+        for seed in (0, 1, 2):
+            # SR +0.2 at step 5 at every seed; RTN +0.02 at start 0 (a lag at every seed), and at
+            # start 1 +0.04 on the mean but +0.12 at seed 1: its mean lags, its interval does not show it
+            curves[("bf16-sr", start, seed)] = [0.2, 0.4, 0.5]
+            curves[("fp16", start, seed)] = [0.2, 0.4, 0.5]
+            curves[("fp32", start, seed)] = [0.2, 0.4, 0.5]
+            rtn = [[0.02, 0.02, 0.02], [0.0, 0.12, 0.0]][start][seed]
+            curves[("bf16", start, seed)] = [0.2, 0.2 + rtn, 0.5]
+    write_runs(cfg, curves, gaps={"fp32": 0.28, "fp16": 0.001, "bf16": 0.02, "bf16-sr": 0.02})
+    report = write_report(cfg).read_text()
+    checks = {line[6:].split(":")[0]: line for line in report.splitlines() if line.startswith("- [")}
+    fp32 = checks["bf16-sr accuracy within 0.02 of fp32 at [5, 10]"]
+    assert fp32.startswith("- [ ]") and "refused, not checked: fp32 is off-policy" in fp32 and "0.2800 > " in fp32
+    fp16 = checks["bf16-sr accuracy within 0.02 of fp16 at [5, 10]"]
+    assert fp16.startswith("- [x]") and "on the 95% interval over seeds at 2/2" in fp16
+    gain = checks["bf16 (RTN) gain at step 5 <= 0.6x bf16-sr's"]
+    assert "holds at 2/2 start checkpoints (0: 0.10x, 1: 0.20x)" in gain and "over seeds at 1/2" in gain
+    assert gain.startswith("- [ ]")  # the means hold everywhere, the interval does not: not called held
+    assert "| fp32 | 0.2800 | 0.2800 | no: fp32 is off-policy" in report
+    assert "| bf16-sr | 0.0200 | 0.0200 | yes |" in report
+
+
+def test_the_chain_sum_comparisons_cpu_form_is_the_gpu_one_reduced_as_it_says():
+    """configs/compare-smollm2-chain_sum-cpu.yaml: the GPU comparison's model, task, start checkpoints
+    and seeds, every run on-policy-checked, with fewer steps and prompts; no seed cut."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cpu = load_compare(root / "configs" / "compare-smollm2-chain_sum-cpu.yaml")
+    gpu = load_compare(root / "configs" / "compare-smollm2-chain_sum.yaml")
+    a, b = run_config(cpu, cells(cpu)[0], 0, 0), run_config(gpu, cells(gpu)[0], 0, 0)
+    assert a.model == b.model and a.task == b.task and a.warmup == b.warmup and a.warmup.pretrained
+    assert a.task.name == "reasoning-gym" and a.task.gym.dataset == "chain_sum"
+    assert (cpu.start_seeds, cpu.seeds) == (gpu.start_seeds, gpu.seeds) == ([0, 1], [0, 1, 2])
+    assert all(spec.seeds is None for spec in cpu.runs)  # every run: every seed
+    assert (
+        {c.spec.precision for c in cells(cpu)}
+        == {c.spec.precision for c in cells(gpu)}
+        == {
+            "fp32",
+            "fp16",
+            "bf16",
+            "bf16-sr",
+        }
+    )
+    steps = {c.label: run_config(cpu, c, 0, 0).grpo.steps for c in cells(cpu)}
+    assert steps["bf16-sr@1e-05"] == 15 and steps["bf16-sr@1e-06"] == steps["bf16@1e-06"] == 30
+    assert b.grpo.steps == 200 and (a.grpo.prompts_per_step, b.grpo.prompts_per_step) == (8, 32)
+    assert cpu.threads == 1 and cpu.parallel == 1 and cpu.on_policy_gap == gpu.on_policy_gap == 0.05

@@ -59,6 +59,32 @@ def test_the_raised_lr_run_is_matched_against_the_reference_per_seed(tmp_path):
     report = write_report(cfg).read_text()
     assert "## KL to the reference at matched accuracy" in report
     assert "the raised-lr run's KL is the higher in 2 of 2 runs" in report
+    check = next(line for line in report.splitlines() if "adds more KL than bf16-sr at matched accuracy" in line)
+    assert check.startswith("- [x] bf16-lr4x") and "at 1/1 on the 95% interval over seeds" in check
+    assert "0: +0.02000, interval [+0.02000, +0.02000]" in check  # both seeds: +0.02 more KL than SR's
+
+
+def test_the_kl_claim_is_not_called_held_where_the_interval_over_seeds_crosses_zero(tmp_path):
+    from dist_sr.rl.compare.matched import MatchedKL, matched_checks
+
+    cfg = load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path),
+            "start_seeds": [0],
+            "seeds": [0, 1, 2],
+            "runs": [{"name": "bf16-sr", "precision": "bf16-sr"}, {"name": "bf16-lr4x", "precision": "bf16"}],
+        },
+    )
+    runs = [(0, 0, 0.1, 0.05, 0.01), (0, 1, 0.1, 0.01, 0.03), (0, 2, 0.1, 0.04, 0.02)]  # +0.04, -0.02, +0.02
+    m = MatchedKL("bf16-lr4x", "bf16-sr", 4.0, runs, 0.0, 0.0, None, None, 2, 3)
+    summary = {name: _Gapless() for name in ("bf16-sr", "bf16-lr4x")}
+    ((what, ok, detail),) = matched_checks(cfg, summary, [m])
+    assert not ok and "holds at 1/1 start checkpoints on the seed means, at 0/1 on the 95% interval" in detail
+
+
+class _Gapless:
+    engine_gap_max = None  # rollouts from the trainer's own model: on-policy
 
 
 def test_each_run_keeps_its_colour_in_every_signals_panel(tmp_path):

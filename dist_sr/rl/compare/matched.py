@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from .config import Cell, CompareConfig, cells, run_dir, run_seeds
-from .summary import eval_curve, mean, std
+from .summary import Summary, eval_curve, interval, mean, off_policy, std
 
 
 @dataclass(frozen=True)
@@ -153,3 +153,36 @@ def matched_lines(results: list[MatchedKL]) -> list[str]:
             f"{m.higher} of {m.matched} runs."
         )
     return lines
+
+
+def matched_checks(cfg: CompareConfig, summary: Summary, results: list[MatchedKL]) -> list[tuple[str, bool, str]]:
+    """The second claim as a check, per raised-lr cell: at every start checkpoint the raised-lr run
+    adds more KL than the reference at matched accuracy, on the seed means and on the 95% interval
+    over seeds of the per-seed difference (raised - reference). Refused when either run is not on-policy."""
+    checks = []
+    for m in results:
+        what = f"{m.raised} adds more KL than {m.reference} at matched accuracy"
+        why = [r for r in (off_policy(cfg, summary, n) for n in (m.raised, m.reference)) if r]
+        if why:
+            checks.append((what, False, "refused, not checked: " + "; ".join(why)))
+            continue
+        per, held, iv_held, known = [], 0, 0, 0
+        for start in cfg.start_seeds:
+            diffs = [
+                r - f for w, _, g, r, f in m.per_run if w == start and g is not None and r is not None and f is not None
+            ]
+            iv = interval(diffs)
+            ok = bool(diffs) and mean(diffs) > 0
+            held += ok
+            if iv is not None:
+                known += 1
+                iv_held += iv[0] > 0
+            shown = "no matched gain" if not diffs else f"{mean(diffs):+.5f}"
+            per.append(f"{start}: {shown}, interval {'one seed' if iv is None else f'[{iv[0]:+.5f}, {iv[1]:+.5f}]'}")
+        n = len(cfg.start_seeds)
+        detail = (
+            f"holds at {held}/{n} start checkpoints on the seed means, at {iv_held}/{known} on the 95% interval over "
+            f"seeds of the KL difference (raised - reference) ({'; '.join(per)})"
+        )
+        checks.append((what, held == n and iv_held == known, detail))
+    return checks

@@ -10,17 +10,32 @@ from pathlib import Path
 from ..checkpoint import source_note
 from ..config import ConfigError
 from ..cpu_math import machine, resolve_isa
-from .config import CompareConfig, cells, finished, label, run_config, run_dir, run_seeds
-from .matched import matched_kl, matched_lines
-from .summary import Summary, eval_curve, gain_ratio, goal_checks, learning_rates, load_runs, mean, summarize
+from .config import CompareConfig, cells, finished, label, report_steps, run_config, run_dir, run_seeds
+from .matched import matched_checks, matched_kl, matched_lines
+from .summary import (
+    Summary,
+    eval_curve,
+    gain_ratio,
+    goal_checks,
+    learning_rates,
+    load_runs,
+    mean,
+    off_policy,
+    summarize,
+)
 
 
 def _fmt(v, p=3):
     return "—" if v is None else f"{v:.{p}f}"
 
 
+def all_report_steps(cfg: CompareConfig) -> list[int]:
+    """Every step some cell is reported at (the tables' columns)."""
+    return sorted({s for lr in learning_rates(cfg) for s in report_steps(cfg, lr)})
+
+
 def _main_table(cfg: CompareConfig, summary: Summary) -> list[str]:
-    rs = cfg.report_steps
+    rs = all_report_steps(cfg)
     lines = [
         "| run | " + " | ".join(f"acc @{s}" for s in rs) + f" | steps to +{cfg.threshold} | "
         f"KL @ +{cfg.threshold} | final KL | final reward | changed/step | dead zone |",
@@ -49,7 +64,7 @@ def _main_table(cfg: CompareConfig, summary: Summary) -> list[str]:
 
 
 def _per_start_table(cfg: CompareConfig, summary: Summary) -> list[str]:
-    rs = cfg.report_steps
+    rs = all_report_steps(cfg)
     lines = [
         "| start checkpoint | run | acc @0 | "
         + " | ".join(f"acc @{s}" for s in rs)
@@ -75,19 +90,21 @@ def _per_start_table(cfg: CompareConfig, summary: Summary) -> list[str]:
 def _sweep_table(cfg: CompareConfig, summary: Summary) -> list[str]:
     """Per learning rate: the dead-zone fraction of the RTN run, each run's last accuracy, and the
     RTN/SR ratios of gain and of steps to the threshold."""
-    rs = [s for s in cfg.report_steps if s in summary[cells(cfg)[0].label].accuracy_at]
     names = [spec.name for spec in cfg.runs]
     lines = [
         "| lr | dead zone (bf16) | beyond it | "
-        + " | ".join(f"{n} acc @{rs[-1]}" for n in names)
-        + " | "
-        + " | ".join(f"RTN/SR gain @{s}" for s in rs)
+        + " | ".join(f"{n} acc, last step" for n in names)
+        + " | RTN/SR gain at the report steps"
         + f" | RTN/SR steps to +{cfg.threshold} |",
-        "|---:|---:|---:|" + "---:|" * (len(names) + len(rs) + 1),
+        "|---:|---:|---:|" + "---:|" * (len(names) + 2),
     ]
     for lr in learning_rates(cfg):
         rtn, ref = summary.get(label("bf16", lr)), summary[label(cfg.reference, lr)]
-        gains = ["—" if r is None else f"{r:.2f}x" for r in (gain_ratio(cfg, summary, lr, s) for s in rs)]
+        rs = [s for s in report_steps(cfg, lr) if s in ref.accuracy_at]
+        gains = ", ".join(
+            ("—" if r is None else f"{r:.2f}x") + f" @{s}"
+            for s, r in ((s, gain_ratio(cfg, summary, lr, s)) for s in rs)
+        )
         h_rtn, h_sr = (rtn.mean_steps_to_threshold if rtn else None), ref.mean_steps_to_threshold
         if not rtn or not h_sr:
             steps = "—"
@@ -98,13 +115,13 @@ def _sweep_table(cfg: CompareConfig, summary: Summary) -> list[str]:
             steps = f"{h_rtn / h_sr:.2f}x"
         dz = rtn.dead_zone_frac if rtn else None
         dead = f"{_fmt(dz, 4)} | {'—' if dz is None else f'{100 * (1 - dz):.2f}%'}"
-        lines.append(
-            f"| {lr:g} | {dead} | "
-            + " | ".join(_fmt(summary[label(n, lr)].accuracy_at[rs[-1]].mean) for n in names)
-            + " | "
-            + " | ".join(gains)
-            + f" | {steps} |"
-        )
+        accs = [
+            f"{summary[label(n, lr)].accuracy_at[rs[-1]].mean:.3f} @{rs[-1]}"
+            if label(n, lr) in summary and rs and rs[-1] in summary[label(n, lr)].accuracy_at
+            else "—"
+            for n in names
+        ]
+        lines.append(f"| {lr:g} | {dead} | " + " | ".join(accs) + f" | {gains} | {steps} |")
     return lines
 
 
@@ -174,6 +191,16 @@ def write_report(cfg: CompareConfig) -> Path:
             "",
             "![RTN/SR gain ratio and dead-zone fraction vs learning rate](sweep.png)",
         ]
+    lines += [
+        "",
+        "## Rollouts on-policy: the trainer-engine gap of every run",
+        "",
+        "Per run, the mean over its steps of mean |log p_trainer - log p_engine| of the sampled tokens "
+        "(the rollout engine serves the run's own precision); a run above on_policy_gap is not called "
+        "on-policy and no claim is checked on it.",
+        "",
+        *_on_policy_lines(cfg, summary),
+    ]
     signals = _signals_table(cfg)
     if signals:
         _plot_signals(cfg, out / "signals.png")
@@ -194,7 +221,17 @@ def write_report(cfg: CompareConfig) -> Path:
     matched = matched_kl(cfg)
     if matched:
         lines += ["", *matched_lines(matched)]
-    lines += ["", "## Checks of the claims on this data (each must hold at every start checkpoint)", ""]
+        checks += matched_checks(cfg, summary, matched)
+    lines += [
+        "",
+        "## Checks of the claims on this data (each must hold at every start checkpoint)",
+        "",
+        "Each claim is read on the seed means and on the 95% interval over seeds (Student's t) of a quantity "
+        "paired by seed (runs of one seed share their prompts and sampling noise); it holds only if both do at "
+        "every start checkpoint. A claim about a run whose trainer-engine gap exceeds on_policy_gap "
+        f"({cfg.on_policy_gap:g}) is refused: its rollouts did not come from its own weights.",
+        "",
+    ]
     lines += [f"- [{'x' if ok else ' '}] {what}: {detail}" for what, ok, detail in checks]
     lines += ["", "![accuracy, KL and changed fraction vs step; accuracy per start checkpoint](figure.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
@@ -207,6 +244,21 @@ def write_report(cfg: CompareConfig) -> Path:
         )
     )
     return out / "report.md"
+
+
+def _on_policy_lines(cfg: CompareConfig, summary: Summary) -> list[str]:
+    """Each cell's trainer-engine gap (mean over its runs, the largest run's) and whether it is
+    on-policy: rollouts sampled from its own weights, within ``on_policy_gap``."""
+    lines = [
+        f"| run | trainer-engine gap (mean of runs) | largest run's | on-policy (gap <= {cfg.on_policy_gap:g}) |",
+        "|---|---:|---:|---|",
+    ]
+    for cell in cells(cfg):
+        s = summary[cell.label]
+        why = off_policy(cfg, summary, cell.label)
+        verdict = "no: " + why if why else ("yes" if s.engine_gap is not None else "yes (the trainer's own model)")
+        lines.append(f"| {cell.label} | {_fmt(s.engine_gap, 4)} | {_fmt(s.engine_gap_max, 4)} | {verdict} |")
+    return lines
 
 
 SIGNALS = (  # (metrics key, column, format, reduce: mean over steps or the last step's value)
@@ -357,10 +409,12 @@ def _plot_sweep(cfg: CompareConfig, summary: Summary, path: Path) -> None:
     data = load_runs(cfg)
     lrs = [float(v) for v in cfg.lrs]
     fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
-    rs = [s for s in cfg.report_steps if s in summary[label(cfg.reference, lrs[0])].gain_at]
-    for s in rs:
-        ratios = [gain_ratio(cfg, summary, lr, s) for lr in lrs]
-        axes[0].plot(lrs, [float("nan") if r is None else r for r in ratios], marker="o", label=f"step {s}")
+    for which, pick in (("first", 0), ("last", -1)):
+        ratios = []
+        for lr in lrs:
+            rs = [s for s in report_steps(cfg, lr) if s in summary[label(cfg.reference, lr)].gain_at]
+            ratios.append(gain_ratio(cfg, summary, lr, rs[pick]) if rs else None)
+        axes[0].plot(lrs, [float("nan") if r is None else r for r in ratios], marker="o", label=f"{which} report step")
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[0].set(
         xscale="log",
