@@ -15,9 +15,12 @@ dist-sr's ``vllm.general_plugins`` entry point, which gives every vLLM worker th
   gathered are compared with the key.
 - **checkpoint engines** (``nccl``, ``nixl``, ...): on the trainer, rank 0 compares what verl's
   exporter gathered with the key; on the rollout side, each replica's ``CheckpointEngineWorker``
-  that owns the server compares the engine with the digest of what arrived. That the transport
-  delivered what was exported is not compared across the two sides. ``delta_sharded`` (deltas,
-  not tensors, arrive) is not verified, and says so in the log.
+  that owns a vLLM server compares the engine with the digest of what arrived. That the transport
+  delivered what was exported is not compared across the two sides. A rollout side that checks
+  nothing is a gap the trainer's check names ("rollout side not verified"), as it does for
+  ``delta_sharded`` (deltas, not tensors, arrive): replicas other than vLLM's (``rollout.name``
+  ``sglang``, ``trtllm``: only vLLM's ``ServerAdapter`` is patched), and rollout workers that do
+  not import this module (no ``custom_backend_module``).
 
 A failure stops the step with ``HeldWeightsMismatch`` naming the engine and the tensors;
 ``DIST_SR_VERIFY=warn`` logs it and trains on. verl's ``vLLMHttpServer.collective_rpc`` drops the
@@ -35,8 +38,11 @@ over the data-parallel ranks and ``update_actor`` hands them to the trainer's ``
   ``dist_sr/key_step`` (the optimizer step the working weights are keyed by now), and the last
   weight sync's check: ``dist_sr/tensors_differ`` (tensors with a problem, export and engines),
   and in the colocated path ``dist_sr/engines_verified``, ``dist_sr/tensors_read_back`` and
-  ``dist_sr/tensors_as_loaded`` (summed over the engines). verl syncs after ``update_actor``, so
-  these describe the *previous* sync: the weights this step's rollouts were generated with.
+  ``dist_sr/tensors_as_loaded`` (summed over the engines); through a checkpoint engine
+  ``dist_sr/rollout_side_verified`` (1: each vLLM replica compares its engine with what arrived
+  and stops the sync on a difference; 0: the rollout side checks nothing). verl syncs after
+  ``update_actor``, so these describe the *previous* sync: the weights this step's rollouts were
+  generated with.
 """
 
 from __future__ import annotations
@@ -192,6 +198,8 @@ class SyncCheck:
 
     def metrics(self) -> dict[str, float]:
         out = {"dist_sr/tensors_differ": float(len(self.differing()))}
+        if self.path.startswith("checkpoint engine ("):  # the trainer's view of a checkpoint-engine sync
+            out["dist_sr/rollout_side_verified"] = float(not self.gap)
         if self.path == "colocated":
             out["dist_sr/engines_verified"] = float(sum(e.ok for e in self.engines))
             out["dist_sr/tensors_read_back"] = float(sum(len(e.held) for e in self.engines))
@@ -352,24 +360,41 @@ async def _check_sync(worker, engine, tap: ExportTap | None, backend: str) -> Sy
     if backend == "delta_sharded":
         return SyncCheck(
             f"checkpoint engine ({backend})",
-            gap="the engines receive deltas, so what they hold is not verified; use checkpoint_engine.backend "
-            "naive or a full-tensor checkpoint engine (nccl, nixl, ...)",
+            gap="rollout side not verified: the engines receive deltas, so what they hold is not verified; use "
+            "checkpoint_engine.backend naive or a full-tensor checkpoint engine (nccl, nixl, ...)",
         )
     if backend != "naive":
         check = check_export(engine, tap, backend)
-        modules = worker.config.rollout.checkpoint_engine.get("custom_backend_module") or ()
-        if "dist_sr.integrations.verl" not in ([modules] if isinstance(modules, str) else list(modules)):
-            gap = (
-                "the rollout side checks its engines only where dist_sr.integrations.verl is imported: set "
-                "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dist_sr.integrations.verl"
-            )
-            check = SyncCheck(check.path, check.engines, check.export, check.streamed_only, gap)
-        return check
+        gap = rollout_side_gap(worker.config.rollout)
+        return SyncCheck(check.path, check.engines, check.export, check.streamed_only, gap) if gap else check
     if not _is_vllm(worker.rollout):
         return SyncCheck(
-            "colocated", gap=f"rollout {type(worker.rollout).__name__}: dist-sr verifies vLLM engines only"
+            "colocated",
+            gap=f"rollout side not verified: rollout {type(worker.rollout).__name__}: dist-sr verifies vLLM engines "
+            f"only; use rollout.name=vllm, or {VERIFY_ENV}=warn to train on with the engines unchecked",
         )
     return await check_colocated(worker, tap)
+
+
+def rollout_side_gap(rollout) -> str:
+    """What the rollout side of a checkpoint-engine sync leaves unverified, or "" where each
+    replica compares its engine with what arrived (``_adapter_update_checked``): that needs vLLM
+    replicas (only vLLM's ``ServerAdapter`` is patched) and rollout workers that import this module
+    (``checkpoint_engine.custom_backend_module``). ``rollout``: verl's rollout config."""
+    name = str(getattr(rollout, "name", None) or "vllm")
+    if name != "vllm":
+        return (
+            f"rollout side not verified: rollout.name={name}, and dist-sr compares what the engines hold with what "
+            f"arrived only for vLLM replicas ({name}'s ServerAdapter is not patched): nothing checks what this sync "
+            f"delivered to them; use rollout.name=vllm, or {VERIFY_ENV}=warn to train on with it unverified"
+        )
+    modules = rollout.checkpoint_engine.get("custom_backend_module") or ()
+    if "dist_sr.integrations.verl" not in ([modules] if isinstance(modules, str) else list(modules)):
+        return (
+            "rollout side not verified: it checks its engines only where dist_sr.integrations.verl is imported: set "
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dist_sr.integrations.verl"
+        )
+    return ""
 
 
 def _is_vllm(rollout) -> bool:
