@@ -8,7 +8,9 @@
 #   bash scripts/peer_stacks.sh                  # everything (about an hour on 2 cores, most of it engines)
 #   PEER_STACKS="verl openrlhf" bash scripts/peer_stacks.sh
 # One line per stack: "peer-stack: <name> <version>: passed in N s", then the total; for a peer, also
-# what its loop test saw of the engine check (read from the JSON it writes, DIST_SR_PEER_RESULTS).
+# what its loop test saw of the engine check, printed from the values in the JSON it writes
+# (DIST_SR_PEER_RESULTS, tests/peers/results.py): the extension the engine says it runs, the engines
+# and tensors verified, the FP32 master caught; FAILED / NOT CAUGHT where the values do not show it.
 # Not part of CI (its 90 minutes): run it before changing an integration or widening a version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,24 +88,6 @@ report() {  # name version start rc
 }
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
-observed() {  # name version results.json: the engine check as the peer's own loop test saw it
-  "$python" - "$@" <<'PY' || status=1
-import json, sys
-from pathlib import Path
-name, version, path = sys.argv[1:4]
-if not Path(path).is_file() or not Path(path).stat().st_size:
-    print(f"peer-stack: {name} {version}: engine check: NOT OBSERVED (its loop test did not pass)")
-    sys.exit(1)
-r = json.loads(Path(path).read_text())
-c = r["engine_check"]
-print(
-    f"peer-stack: {name} {version}: engine check through {name}'s own worker extension (load format "
-    f"{r['load_format']}): passed ({r['extension'].rpartition('.')[2]}; {c['engines']} engines, each "
-    f"{c['read_back']} tensors read back, {c['as_loaded']} only as loaded)"
-)
-print(f"peer-stack: {name} {version}: FP32 master pushed for {r['master_caught']['tensor']}: caught")
-PY
-}
 for stack in $STACKS; do
   case $stack in
     verl)
@@ -113,7 +97,8 @@ for stack in $STACKS; do
         -p no:cacheprovider tests/peers/test_verl.py || rc=$?
       version=$(.venv-peer-verl/bin/python -c 'import verl; print(verl.__version__)')
       report verl "$version" "$start" $rc
-      observed verl "$version" "$results/verl.json" ;;
+      # what verl's own loop test saw, from the values it recorded (tests/peers/results.py)
+      "$python" -m tests.peers.results "$results/verl.json" verl || status=1 ;;
     openrlhf)
       setup_openrlhf
       start=$(date +%s); rc=0
