@@ -27,6 +27,12 @@ def test_every_reply_that_is_not_an_answer_names_the_engine_and_what_was_wrong(k
     if kind != "wrong-json":  # a JSON object these routes do not read is still an answer to them
         calls.update(health=control.health, pause=control.pause)
         calls["init"] = lambda: client.init_weight_transfer_engine({"master_address": "127.0.0.1", "rank_offset": 1})
+        calls.update(  # every route of vLLM's client protocol
+            start=client.start_weight_update,
+            update=lambda: client.update_weights({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}),
+            finish=lambda: client.finish_weight_update("7"),
+            shutdown=client.shutdown_weight_transfer_engine,
+        )
     try:
         for what, call in calls.items():
             with pytest.raises(MalformedReply) as refused:
