@@ -1,4 +1,11 @@
-"""The one thing pyproject.toml cannot say: the wheel ships ``dist_sr_deepspeed_hook.pth`` at the
+"""What pyproject.toml cannot say.
+
+The wheel ships the layout-free digest compiled (``dist_sr/numerics/csrc/digest.c``, Python's
+stable ABI, no torch headers): every process that imports dist-sr digests weights at memory speed
+without building anything at run time. Where no C compiler is at hand at install time the build is
+skipped with a warning and the digest runs in torch (the same sums, slower).
+
+The wheel also ships ``dist_sr_deepspeed_hook.pth`` at the
 top of site-packages, so ``pip install dist-sr`` alone (a Ray ``runtime_env``, a container image,
 a node set up by hand) makes ``DIST_SR_SEED`` and the DeepSpeed JSON's ``"stochastic_rounding"``
 block work in a job that calls plain ``deepspeed.initialize``. Its one line is
@@ -8,7 +15,7 @@ Editable installs get the file from ``dist-sr deepspeed-hook install`` (``script
 import importlib.util
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,4 +47,17 @@ class BuildPyWithStartupHook(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook})
+DIGEST = Extension(
+    "dist_sr.numerics.digest_c",
+    sources=["dist_sr/numerics/csrc/digest.c"],
+    extra_compile_args=["-O3", "-pthread"],
+    extra_link_args=["-pthread"],
+    py_limited_api=True,
+    optional=True,  # no compiler: the torch digest instead (numerics.digest says which runs)
+)
+
+setup(
+    cmdclass={"build_py": BuildPyWithStartupHook},
+    ext_modules=[DIGEST],
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)

@@ -78,7 +78,8 @@ def copy_repo(dest: Path) -> None:
         .stdout.decode()
         .split("\0")
     )
-    for rel in filter(None, files):
+    built = [str(p.relative_to(REPO)) for p in (REPO / "dist_sr").rglob("*.so")]  # the install's compiled modules
+    for rel in filter(None, files + built):
         src = REPO / rel
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)

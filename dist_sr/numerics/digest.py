@@ -4,21 +4,38 @@ The digest of a tensor is the 64-bit sum over its elements of a keyed mix of (gl
 bits), so each rank digests the pieces it holds and the sums add up to the digest of the full
 tensor, whatever the sharding. A wrong byte, a misplaced piece or a missing piece changes it.
 ``combine`` folds per-tensor sums (with names, dtypes and shapes) into one hex digest.
+
+Where it runs: host pieces in the C library the wheel ships built (``csrc/digest.c``, no torch
+headers, no compiler needed where it runs: memory speed from a process's first call); device
+pieces, and host pieces where that library was not built, in torch (``_torch_sum``: int64 in
+chunks of at most ``CHUNK`` elements, so its temporaries are a few MiB whatever the tensor).
+``backend()`` says which one this process digests host tensors with.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence, Union
 
 import torch
 
-from .backends import cpu
 from .key import GAMMA, MASK64, MIX1, MIX2, signed64
-from .reference import logical_shr
+
+try:  # built into the wheel by setup.py; absent only where no C compiler was at hand at install
+    from . import digest_c as _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - every CI install builds it
+    _native = None
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CHUNK = 1 << 18  # int64 temporaries of 2 MiB stay in cache
+CHUNK = 1 << 18  # elements per torch step on the host: two int64 buffers of 2 MiB stay in cache
+_DEVICE_CHUNK = 1 << 22
+CAST_CHUNK = 1 << 24  # elements cast at a time by cast_piece_sum (64 MiB of FP32)
 _GAMMA, _MIX1, _MIX2 = signed64(GAMMA), signed64(MIX1), signed64(MIX2)
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# A piece: flat values holding elements ``start..`` of a tensor, or ``(rows, start, row_step)``:
+# a 2-D view whose rows are contiguous, row r holding elements ``start + r * row_step + j``.
+Piece = Union[tuple[torch.Tensor, int], tuple[torch.Tensor, int, int]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -28,69 +45,130 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def backend() -> str:
+    """What host tensors are digested with in this process: ``"native"`` (the compiled library)
+    or ``"torch"``."""
+    return "torch" if _native is None else "native"
+
+
 def piece_sum(values: torch.Tensor, start: int) -> int:
     """Layout-free digest contribution of flat ``values`` holding elements ``start..`` of a tensor:
     the sum mod 2^64 of ``mix(index * GAMMA + bits * MIX2)`` (one multiply-xorshift round)."""
     return piece_sums([(values, start)])[0]
 
 
-def piece_sums(pieces: list[tuple[torch.Tensor, int]]) -> list[int]:
-    """``piece_sum`` of each ``(values, start)``: host pieces one pass each (the C++ kernel, the
-    same sum ~10x faster than the definition), device pieces summed where they live and read
-    back together, one synchronisation for all of them (a bucket's worth) instead of one per piece."""
+def piece_sums(pieces: Sequence[Piece], *, host: str | None = None) -> list[int]:
+    """``piece_sum`` of each piece (``Piece``: flat values, or rows of a 2-D view). Host pieces are
+    summed one pass each; device pieces where they live, read back together with one
+    synchronisation per device for all of them (a bucket's worth), not one per piece. ``host``
+    forces the host path (``"native"`` or ``"torch"``; the benchmarks compare them)."""
+    use_native = (host or backend()) == "native"
+    if use_native and _native is None:
+        raise RuntimeError("the compiled digest is not built in this install (setup.py's dist_sr.numerics.digest_c)")
     out: list[int | None] = [None] * len(pieces)
-    pending: list[tuple[int, list[torch.Tensor]]] = []
-    kernel = cpu.loaded()
-    for i, (values, start) in enumerate(pieces):
-        flat = values.reshape(-1)
-        if flat.device.type == "cpu" and kernel is not None:
-            out[i] = kernel.piece_sum(flat.contiguous(), start) & MASK64
+    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, piece in enumerate(pieces):
+        rows, start, step = _as_rows(piece)
+        if rows.device.type == "cpu" and use_native:
+            out[i] = _native_sum(rows, start, step)
         else:
-            pending.append((i, _halves(flat, start)))
-    by_device: dict[torch.device, list[tuple[int, list[torch.Tensor]]]] = {}
-    for i, halves in pending:
-        by_device.setdefault(halves[0].device, []).append((i, halves))
-    for group in by_device.values():
-        read = torch.stack([h for _, halves in group for h in halves]).tolist()  # the one read-back
-        at = 0
-        for i, halves in group:
-            out[i] = _fold(read[at : at + len(halves)])
-            at += len(halves)
+            pending.setdefault(rows.device, []).append((i, _torch_sum(rows, start, step)))
+    for group in pending.values():
+        read = torch.stack([s for _, s in group]).tolist()  # the one read-back per device
+        for (i, _), s in zip(group, read):
+            out[i] = s & MASK64
     return out  # type: ignore[return-value]
 
 
+def cast_piece_sum(values: torch.Tensor, dtype: torch.dtype, start: int = 0) -> int:
+    """``piece_sum`` of ``values.to(dtype)`` (what a parameter of ``dtype`` holds after copying
+    ``values`` in), cast ``CAST_CHUNK`` elements at a time: no copy of the whole tensor."""
+    flat = values.reshape(-1)
+    if flat.dtype == dtype:
+        return piece_sum(flat, start)
+    pieces = (flat[s : s + CAST_CHUNK].to(dtype) for s in range(0, flat.numel(), CAST_CHUNK))
+    return sum(piece_sum(p, start + i * CAST_CHUNK) for i, p in enumerate(pieces)) & MASK64
+
+
 def piece_sum_reference(flat: torch.Tensor, start: int) -> int:
-    """The definition in torch (any device). The 64-bit terms are summed as two 32-bit halves in
-    int64 on the device (exact: no overflow below 2^31 terms per window), read back once per
-    piece."""
-    return _fold(torch.stack(_halves(flat, start)).tolist())
+    """The definition, term by term in torch (any device): the tests' oracle."""
+    words = flat.reshape(-1).contiguous().view(_WORDS[flat.element_size()]).to(torch.int64)
+    index = torch.arange(words.numel(), dtype=torch.int64, device=words.device) + signed64(start & MASK64)
+    z = index * _GAMMA + words * _MIX2
+    z = (z ^ _shr(z, 29)) * _MIX1
+    z = z ^ _shr(z, 32)
+    return int(z.sum()) & MASK64  # int64 arithmetic wraps: every step is mod 2^64
 
 
-def _halves(flat: torch.Tensor, start: int) -> list[torch.Tensor]:
-    """``[lo, hi]`` int64 device scalars per window of 2^30 elements of ``flat`` (elements
-    ``start..``): the low and high 32-bit halves of its terms, summed; nothing is read back."""
-    width = flat.element_size()
-    words = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
-    chunk = _CHUNK if words.device.type == "cpu" else _CHUNK * 16
-    index_mix = torch.arange(chunk, dtype=torch.int64, device=words.device) * _GAMMA  # j * GAMMA, wrapping
-    out = []
-    lo = hi = torch.zeros((), dtype=torch.int64, device=words.device)
-    for s in range(0, words.numel(), chunk):
-        v = words[s : s + chunk].to(torch.int64)
-        z = index_mix[: v.numel()] + signed64(((start + s) * GAMMA) & MASK64) + v * _MIX2
-        z = (z ^ logical_shr(z, 29)) * _MIX1
-        z = z ^ logical_shr(z, 32)
-        lo = lo + (z & 0xFFFFFFFF).sum()
-        hi = hi + logical_shr(z, 32).sum()
-        if (s // chunk + 1) % ((1 << 30) // chunk) == 0:  # a new window before the halves could overflow
-            out.append(torch.stack([lo, hi]))
-            lo = hi = torch.zeros_like(lo)
-    out.append(torch.stack([lo, hi]))
-    return out
+def _as_rows(piece: Piece) -> tuple[torch.Tensor, int, int]:
+    """``(2-D view with contiguous rows, start, row step)`` of a piece."""
+    values, start = piece[0], int(piece[1])
+    if len(piece) == 2 or values.dim() != 2:
+        flat = values.reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:
+            flat = flat.contiguous()
+        return flat.view(1, -1), start, 0
+    if values.numel() and values.stride(1) != 1:
+        values = values.contiguous()
+    return values, start, int(piece[2])
 
 
-def _fold(halves: list[list[int]]) -> int:
-    return sum(lo + (hi << 32) for lo, hi in halves) & MASK64
+def _native_sum(rows: torch.Tensor, start: int, step: int) -> int:
+    n_rows, row_len = rows.shape
+    if rows.numel() == 0:
+        return 0
+    return _native.strided_sum(
+        rows.data_ptr(),
+        n_rows,
+        row_len,
+        rows.stride(0) if n_rows > 1 else row_len,
+        rows.element_size(),
+        start & MASK64,
+        step & MASK64,
+        torch.get_num_threads(),
+    )
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    return (z >> s) & ((1 << (64 - s)) - 1)  # logical right shift of int64 read as uint64
+
+
+def _torch_sum(rows: torch.Tensor, start: int, step: int) -> torch.Tensor:
+    """The digest sum of a piece in torch, as a device int64 scalar (nothing is read back). Works
+    a block of rows (or a stretch of one long row) at a time, in place in two preallocated int64
+    buffers of at most ``CHUNK`` elements; int64 arithmetic wraps, so each step is mod 2^64."""
+    n_rows, row_len = rows.shape
+    dev = rows.device
+    total = torch.zeros((), dtype=torch.int64, device=dev)
+    if rows.numel() == 0:
+        return total
+    words = rows.view(_WORDS[rows.element_size()])
+    chunk = CHUNK if dev.type == "cpu" else _DEVICE_CHUNK
+    width = min(row_len, chunk)  # columns per step
+    block = max(1, chunk // width)  # rows per step
+    col_mix = torch.arange(width, dtype=torch.int64, device=dev) * _GAMMA
+    z = torch.empty(block * width, dtype=torch.int64, device=dev)
+    u = torch.empty_like(z)
+    for r0 in range(0, n_rows, block):
+        nr = min(block, n_rows - r0)
+        for c0 in range(0, row_len, width):
+            nc = min(width, row_len - c0)
+            v = words[r0 : r0 + nr, c0 : c0 + nc]
+            zz, uu = z[: nr * nc].view(nr, nc), u[: nr * nc].view(nr, nc)
+            torch.add(col_mix[:nc], v, alpha=_MIX2, out=zz)  # j * GAMMA + bits * MIX2
+            first = signed64(((start + r0 * step + c0) * GAMMA) & MASK64)
+            if nr == 1:
+                zz.add_(first)
+            else:  # each row's own first index
+                row_at = torch.arange(nr, dtype=torch.int64, device=dev) * signed64((step * GAMMA) & MASK64) + first
+                zz.add_(row_at.view(nr, 1))
+            torch.bitwise_right_shift(zz, 29, out=uu)
+            uu.bitwise_and_((1 << 35) - 1)
+            zz.bitwise_xor_(uu).mul_(_MIX1)
+            torch.bitwise_right_shift(zz, 32, out=uu)
+            uu.bitwise_and_((1 << 32) - 1)
+            total += zz.bitwise_xor_(uu).sum()
+    return total
 
 
 def combine(entries: dict[str, tuple[str, tuple[int, ...], int]]) -> str:

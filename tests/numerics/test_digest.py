@@ -41,19 +41,36 @@ def test_the_digest_sees_one_flipped_bit_a_swap_and_a_misplaced_piece():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8, torch.int8])
-def test_the_cpu_kernel_sums_exactly_what_the_torch_definition_sums(dtype):
-    """The C++ pass (used once the kernel is loaded) and the pure-torch definition agree bit for
-    bit: on negative words (sign extension), any start, lengths around the vector widths."""
-    from dist_sr.numerics.backends import cpu as cpu_kernel
-
-    kernel = cpu_kernel.load()
+@pytest.mark.parametrize("host", ["native", "torch"])
+def test_every_host_path_sums_exactly_what_the_definition_sums(dtype, host):
+    """The compiled library the wheel ships and the chunked torch path (where it is not built)
+    agree bit for bit with the term-by-term definition: on negative words (sign extension), any
+    start (past 2^63 included), lengths around the vector widths, the thread split and the chunk."""
     g = torch.Generator().manual_seed(5)
-    for n in (0, 1, 31, 33, 1000, (1 << 20) + 7):
+    for n in (0, 1, 31, 33, 1000, digest.CHUNK + 7, (1 << 21) + 5):
         x = (torch.randn(n, generator=g) * 100).to(dtype)
-        for start in (0, 5, 2**40 + 3):
+        for start in (0, 5, 2**40 + 3, 2**63 + 11):
             expected = digest.piece_sum_reference(x, start)
-            assert kernel.piece_sum(x, start) & (2**64 - 1) == expected, (n, start)
-            assert piece_sum(x, start) == expected  # the public function takes the kernel now
+            assert digest.piece_sums([(x, start)], host=host) == [expected], (n, start)
+
+
+@pytest.mark.parametrize("host", ["native", "torch"])
+def test_rows_of_a_strided_view_sum_as_their_rows_would_one_by_one(host):
+    """A 2-D piece (rows of a strided view, row r holding elements ``start + r * step + j``): what
+    a read-back digests a tensor-parallel slice with, without copying it."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(300, 2 * digest.CHUNK // 300 + 700, generator=g) * 100).to(torch.bfloat16)
+    for r0, r1, c0, c1 in [(0, 300, 0, x.shape[1]), (5, 290, 10, 600), (0, 1, 3, 700), (7, 8, 0, 5), (3, 3, 0, 5)]:
+        view = x[r0:r1, c0:c1]
+        start, step = 2**40 + 1, 10_000
+        rows = [digest.piece_sum_reference(view[r], start + r * step) for r in range(view.shape[0])]
+        assert digest.piece_sums([(view, start, step)], host=host) == [sum(rows) % 2**64]
+
+
+def test_this_install_digests_host_tensors_with_the_compiled_library():
+    """Every install CI makes (editable and wheel) builds ``dist_sr.numerics.digest_c``: no process
+    digests at torch speed because a kernel was not built yet."""
+    assert digest.backend() == "native"
 
 
 def _pieces():
@@ -70,15 +87,14 @@ def _pieces():
     ]
 
 
-def test_a_buckets_sums_read_back_together_are_each_pieces_sum(monkeypatch):
-    """``piece_sums`` (what a sync digests each bucket with): the kernel's sums on host pieces,
-    and the device path (taken here by hiding the kernel), whose pieces are summed where they
-    live and read back once, gives the same sums."""
+def test_a_buckets_sums_read_back_together_are_each_pieces_sum():
+    """``piece_sums`` (what a sync digests each bucket with): the compiled sums on host pieces,
+    and the torch path (taken here by asking for it), whose pieces are summed where they live
+    and read back once, gives the same sums."""
     pieces = _pieces()
     expected = [piece_sum(x, start) for x, start in pieces]
     assert digest.piece_sums(pieces) == expected
-    monkeypatch.setattr(digest.cpu, "loaded", lambda: None)
-    assert digest.piece_sums(pieces) == expected
+    assert digest.piece_sums(pieces, host="torch") == expected
     assert digest.piece_sums([]) == []
 
 

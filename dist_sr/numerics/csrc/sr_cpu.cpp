@@ -444,50 +444,12 @@ void adamw_many(std::vector<at::Tensor> ps, std::vector<at::Tensor> ms, std::vec
   }
 }
 
-// ---- layout-free digest contribution (dist_sr.numerics.digest.piece_sum) --------------------------
-// sum mod 2^64 over j of mix2(((start + j) * GAMMA + v_j * MIX2)), where v_j is element j's bits
-// read as a signed integer of the element's width (unsigned for 1-byte elements) and widened to
-// 64 bits, and mix2(z) = z' ^ (z' >> 32) with z' = (z ^ (z >> 29)) * MIX1. Addition mod 2^64 is
-// associative, so the thread split cannot change the result.
-template <typename W>
-uint64_t piece_sum_span(const W* w, int64_t n, uint64_t start) {
-  return at::parallel_reduce(
-      0, n, kGrain * kChunk, uint64_t(0),
-      [&](int64_t j0, int64_t j1, uint64_t acc) {
-        for (int64_t j = j0; j < j1; ++j) {
-          const uint64_t v = static_cast<uint64_t>(static_cast<int64_t>(w[j]));
-          uint64_t z = (start + static_cast<uint64_t>(j)) * kGamma + v * kMix2;
-          z = (z ^ (z >> 29)) * kMix1;
-          acc += z ^ (z >> 32);
-        }
-        return acc;
-      },
-      [](uint64_t a, uint64_t b) { return a + b; });
-}
-
-int64_t piece_sum(const at::Tensor& values, int64_t start) {
-  TORCH_CHECK(values.device().is_cpu() && values.is_contiguous(), "dist_sr piece_sum: a contiguous CPU tensor");
-  const void* p = values.data_ptr();
-  const int64_t n = values.numel();
-  const uint64_t s = static_cast<uint64_t>(start);
-  uint64_t total = 0;
-  switch (values.element_size()) {
-    case 1: total = piece_sum_span(static_cast<const uint8_t*>(p), n, s); break;
-    case 2: total = piece_sum_span(static_cast<const int16_t*>(p), n, s); break;
-    case 4: total = piece_sum_span(static_cast<const int32_t*>(p), n, s); break;
-    case 8: total = piece_sum_span(static_cast<const int64_t*>(p), n, s); break;
-    default: TORCH_CHECK(false, "dist_sr piece_sum: element size ", values.element_size(), " is not 1, 2, 4 or 8");
-  }
-  return static_cast<int64_t>(total);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_tensor", &round_tensor, "keyed or nearest FP32->BF16 rounding into out");
   m.def("round_tensors", &round_tensors, "round_tensor over lists, one call");
   m.def("round_rows", &round_rows, "keyed rounding of a strided shard given as rows of the full parameter");
-  m.def("piece_sum", &piece_sum, "layout-free digest contribution of flat values starting at a global index");
   m.def("adamw_sr", &adamw_sr, "fused AdamW step on FP32 shadow/moments + keyed rounding into BF16 out");
   m.def("adamw_many", &adamw_many, "fused AdamW + keyed rounding over lists (FP32 shadows or pure BF16 params)");
 }
