@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics.digest import dtype_name, piece_sum
+from ...numerics.digest import cast_piece_sum, dtype_name
 from .readback import Readback
 
 
@@ -54,13 +54,8 @@ class LoadRecord:
     def _see(self, weights, staged: dict):
         for name, tensor in weights:
             stored = tensor.detach()
-            if stored.is_floating_point() and stored.dtype != self.dtype:
-                stored = stored.to(self.dtype)  # what the parameter's copy_ makes of it
-            staged[name] = (
-                dtype_name(stored.dtype),
-                tuple(stored.shape),
-                piece_sum(stored.contiguous().reshape(-1), 0),
-            )
+            dtype = self.dtype if stored.is_floating_point() else stored.dtype  # what the parameter's copy_ makes of it
+            staged[name] = (dtype_name(dtype), tuple(stored.shape), cast_piece_sum(stored, dtype))
             yield name, tensor
 
 
