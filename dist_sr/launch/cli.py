@@ -6,7 +6,8 @@ dist-sr train [CONFIG] [--set k=v]   one GRPO run (embedded default without CONF
 dist-sr key NAME --seed S --step T   print a parameter's stream key
 dist-sr diagnose CHECKPOINT --lr LR  does round-to-nearest stick on this checkpoint (GGUF file, HF
                                      directory or smollm2) at this lr, and does SR fix it? A few real
-                                     AdamW steps under each; a table, JSON and a figure
+                                     AdamW steps under each; a table, JSON and a figure. --forecast:
+                                     predicted from the weights alone, streamed (7B-70B in minutes)
 dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
 dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
 dist-sr snapshot materialize DIR OUT the newest weight version the snapshots in DIR prove (a dense
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     p_diag.add_argument("--out", default="runs/diagnose", help="where diagnose.json and diagnose.png go")
     p_diag.add_argument("--cache-dir", default="runs/cache", help="where the checkpoint's BF16 cast is kept")
     p_diag.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p_diag.add_argument(
+        "--forecast",
+        action="store_true",
+        help="predict from the weights alone (streams a safetensors checkpoint, no training: 7B-70B in minutes)",
+    )
+    p_diag.add_argument("--compare", action="store_true", help="with --forecast: also measure, and print both")
     p_diag.add_argument("--no-progress", action="store_true")
 
     p_key = sub.add_parser("key", help="print the stream key of a parameter")
@@ -132,6 +139,8 @@ def _diagnose(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.forecast:
+        return _forecast(args)
     d = diagnose.diagnose(
         args.checkpoint,
         lr=args.lr,
@@ -146,6 +155,34 @@ def _diagnose(args: argparse.Namespace) -> None:
     print(diagnose.table(d))
     print(f"\njson: {js}\nfigure: {png}")
     print(d.last_line())
+
+
+def _forecast(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from ..rl import diagnose, forecast
+    from ..rl.checkpoint import bf16_start
+
+    source = Path(args.checkpoint)
+    streamable = source.suffix == ".safetensors" or (source.is_dir() and any(source.glob("*.safetensors")))
+    start = source if streamable else bf16_start(args.checkpoint, args.cache_dir)  # GGUF: its BF16 cast
+    f = forecast.forecast(start, lr=args.lr, steps=args.steps, progress=not args.no_progress)
+    measured = None
+    if args.compare:
+        measured = diagnose.diagnose(
+            args.checkpoint,
+            lr=args.lr,
+            steps=args.steps,
+            batch=args.batch,
+            seed=args.seed,
+            samples=args.samples,
+            cache_dir=args.cache_dir,
+            progress=not args.no_progress,
+        )
+    js = forecast.write(f, args.out, measured)
+    print(forecast.table(f, measured))
+    print(f"\njson: {js}")
+    print(f.last_line())
 
 
 if __name__ == "__main__":

@@ -95,13 +95,13 @@ class Diagnosis:
     def last_line(self) -> str:
         o = self.overall
         return (
-            f"diagnose: RTN moves {_pct(o.moved_per_step['rtn'])} of BF16 weights per step, SR "
-            f"{_pct(o.moved_per_step['sr'])}; {_pct(o.reaches_bf16['rtn'])} of the update reaches BF16 under RTN, "
-            f"{_pct(o.reaches_bf16['sr'])} under SR"
+            f"diagnose: RTN moves {pct(o.moved_per_step['rtn'])} of BF16 weights per step, SR "
+            f"{pct(o.moved_per_step['sr'])}; {pct(o.reaches_bf16['rtn'])} of the update reaches BF16 under RTN, "
+            f"{pct(o.reaches_bf16['sr'])} under SR"
         )
 
 
-def _pct(v: float | None) -> str:
+def pct(v: float | None) -> str:
     if v is None:
         return "n/a"
     return f"{100 * v:.2f}%" if abs(v) < 0.1 else f"{100 * v:.1f}%"
@@ -331,16 +331,16 @@ def advice(o: GroupResult, lr: float) -> str:
         return "advice: the update was zero (no gradient reached the weights); check the samples"
     if rtn < 0.5:
         return (
-            f"advice: round-to-nearest drops most of the update at lr {lr:g} ({_pct(rtn)} reaches BF16): train with "
-            f"precision bf16-sr ({_pct(sr)} reached BF16 here); raising the learning rate instead moves the "
+            f"advice: round-to-nearest drops most of the update at lr {lr:g} ({pct(rtn)} reaches BF16): train with "
+            f"precision bf16-sr ({pct(sr)} reached BF16 here); raising the learning rate instead moves the "
             "weights but drifts further from the start"
         )
     if rtn < 0.9:
         return (
-            f"advice: round-to-nearest delays part of the update at lr {lr:g} ({_pct(rtn)} reaches BF16): "
+            f"advice: round-to-nearest delays part of the update at lr {lr:g} ({pct(rtn)} reaches BF16): "
             "precision bf16-sr removes the delay"
         )
-    return f"advice: round-to-nearest keeps up at lr {lr:g} ({_pct(rtn)} reaches BF16); SR is optional here"
+    return f"advice: round-to-nearest keeps up at lr {lr:g} ({pct(rtn)} reaches BF16); SR is optional here"
 
 
 def table(d: Diagnosis) -> str:
@@ -361,9 +361,9 @@ def table(d: Diagnosis) -> str:
     for g, r in rows:
         steps = r.rtn_steps_to_move_median
         lines.append(
-            f"{g:<11} {r.params / 1e6:>7.1f}M {r.median_abs_weight:>9.4f} {_pct(r.moved_per_step['rtn']):>14} "
-            f"{_pct(r.moved_per_step['sr']):>13} {_pct(r.reaches_bf16['rtn']):>16} {_pct(r.reaches_bf16['sr']):>7} "
-            f"{_pct(r.rtn_moved_once):>14} {('~%.0f' % steps) if steps else 'never (no drift)':>26}"
+            f"{g:<11} {r.params / 1e6:>7.1f}M {r.median_abs_weight:>9.4f} {pct(r.moved_per_step['rtn']):>14} "
+            f"{pct(r.moved_per_step['sr']):>13} {pct(r.reaches_bf16['rtn']):>16} {pct(r.reaches_bf16['sr']):>7} "
+            f"{pct(r.rtn_moved_once):>14} {('~%.0f' % steps) if steps else 'never (no drift)':>26}"
         )
     if d.tied_head:
         lines.append("(head: tied to the embeddings, counted there)")
