@@ -54,6 +54,10 @@ timeout 420 python3 bench/memory.py --device cuda --hidden 1024 --layers 4 --jso
   | grep -v Warning | tee "$out/gpu-memory.md" | grep -E "^memory:|^\|"
 # the grid-step delta codec's Triton passes at 2^26 and 2^28 elements, beside a device copy
 timeout 60 python3 bench/delta_sync.py --device cuda 2>&1 | grep -v Warning | tee "$out/gpu-delta-codec.md"
+# the costs at the sizes users run (bench/scale.py), in device memory: digest, read-back on the device,
+# IPC and gloo sync, the optimizer step, at 0.5B and 1.5B (NCCL needs a GPU per rank: not on one GPU)
+timeout 420 python3 bench/scale.py --device cuda --components digest readback sync optimizer --sizes 0.5B 1.5B \
+  --json "$out/scale-cuda.json" 2>&1 | grep -v Warning | tee "$out/gpu-scale.md" | grep -E "^scale:|^\|"
 # a colocated engine on the same GPU: sync over CUDA IPC and over gloo beside a device copy
 timeout 90 python3 bench/ipc_sync.py --mb 1024 --bucket-mb 256 2>&1 | grep -v Warning | tee "$out/gpu-ipc-sync.md"
 timeout 320 python3 -m pytest -q -rs -p no:cacheprovider -k cuda tests/numerics/test_triton.py \

@@ -8,7 +8,7 @@ allocator holds, divided by the parameters the rank holds (world 1: all of them)
 
 One line per row (then a markdown table, and ``--json``):
 
-    memory: <engine> <mode>: +N bytes/param at rest, +M at peak
+    memory: <engine> <mode>: +N bytes/param at rest, +M at peak (noise E over R runs of each)
 
 *At rest*: between steps (after two optimizer steps, before the next forward), when an RL
 framework hands the memory to its rollout engine. *At peak*: the larger of the peak during one
@@ -150,17 +150,23 @@ def deepspeed_row(zero: dict):
         from dist_sr.engines import deepspeed as dsr
 
         model = tiny_llama(args.hidden, args.layers, vocab=args.vocab)
+        n = sum(p.numel() for p in model.parameters())
+        # DeepSpeed's buckets default to 5e8 elements, sized for models far larger than this one:
+        # scaled to the model, they stop drowning what SR adds (and behave as at the sizes users run)
+        bucket = max(1 << 16, n // 8)
+        buckets = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+        if zero.get("stage") == 3:
+            buckets.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=n)
         config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": 1,
             "steps_per_print": 10**6,
             "bf16": {"enabled": True},
-            "zero_optimization": zero,
+            "zero_optimization": {**zero, **buckets},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
         }
         if sr:
             config["stochastic_rounding"] = {"enabled": True, "seed": SEED, "mode": "stochastic"}
-        n = sum(p.numel() for p in model.parameters())
         engine, *_ = dsr.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def step(ids):
@@ -333,12 +339,15 @@ def run(args) -> dict:
             "export_peak": per["export"],
             "peak": max(per["step"], per["export"]),
             "without_sr": {k: v / params for k, v in offs[0].items()},
-            # how much the engine alone moves between fresh runs (0 with one run)
-            "noise": max(max(o[k] for o in offs) - min(o[k] for o in offs) for k in off) / params,
+            # how much a variant moves between fresh runs of itself, the larger of the two (0 with one run)
+            "noise": max(max(r[k] for r in runs) - min(r[k] for r in runs) for runs in (offs, ons) for k in off)
+            / params,
         }
         out[key] = row
         print(
-            f"memory: {engine} {mode}: {row['rest']:+.3f} bytes/param at rest, {row['peak']:+.3f} at peak", flush=True
+            f"memory: {engine} {mode}: {row['rest']:+.3f} bytes/param at rest, {row['peak']:+.3f} at peak "
+            f"(noise {row['noise']:.3f} over {len(offs)} runs of each)",
+            flush=True,
         )
     return out
 
@@ -360,15 +369,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=512)  # ~34M parameters: the engines' own buffers no longer
+    ap.add_argument("--layers", type=int, default=8)  # drown what SR adds (noise < 0.5 bytes/param)
+    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument(
         "--repeat",
         type=int,
-        default=1,
+        default=3,
         help="runs of each variant (medians; the spread of the runs without SR is the row's noise)",
     )
     ap.add_argument("--timeout", type=int, default=600, help="seconds for one variant's process")

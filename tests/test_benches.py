@@ -94,3 +94,26 @@ def test_the_memory_bench_prints_a_row_per_engine_and_mode(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert rows["fsdp2"]["rest"] == 2.0 and rows["fsdp2-unkept"]["rest"] == 0.0
     assert rows["zero2"]["engine"] == "deepspeed" and rows["fsdp2"]["peak"] >= 2.0
+
+
+@pytest.mark.slow
+def test_the_scale_bench_measures_every_component_and_fits_it(tmp_path):
+    """bench/scale.py at its tiny size (the 0.5B-3B runs are docs/performance.md's): one ``scale:``
+    line per component with its baseline and peak, and a fit per component."""
+    out = tmp_path / "scale.json"
+    components = ["digest", "readback", "optimizer", "export", "sync", "delta", "snapshot", "diagnose"]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--sizes", "tiny", "--repeats", "1", "--json", str(out)]
+        + ["--components", *components],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    line = re.compile(r"^scale: (.+) tiny: -?[\d.]+ s \(-?[\d.]+x .+\), peak \+[\d.]+ GiB host$")
+    printed = [m.group(1) for m in map(line.match, r.stdout.splitlines()) if m]
+    data = json.loads(out.read_text())
+    assert printed == [row["component"] for row in data["rows"]]
+    assert {p.split()[0] for p in printed} == set(components)
+    assert set(data["fits"]) == set(printed)
