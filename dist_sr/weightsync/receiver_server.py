@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..numerics.digest import tensor_sums
 from . import auth
 from .receiver import InitInfo, WeightReceiver
 
@@ -85,6 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/finish_weight_update":
                 r.finish()
             elif path == "/collective_rpc":
+                if body.get("method") == "dist_sr_held_weights":
+                    return self._reply(200, {"results": [held_answer(self.tensors)]})
                 if body.get("method") != "dist_sr_weight_report":
                     return self._reply(400, {"error": f"unknown method {body.get('method')!r}"})
                 return self._reply(200, {"results": [r.report()]})
@@ -97,6 +100,20 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # report to the trainer, as vLLM's routes do
             return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
         return self._reply(200, {"status": "ok"})
+
+
+def held_answer(tensors: dict) -> dict:
+    """The bare receiver's ``dist_sr_held_weights``, as a vLLM worker's (``rollout.vllm.held``)
+    answers it: the tensors it keeps, each read back whole."""
+    sums = {n: (d, list(shape), f"{v:016x}") for n, (d, shape, v) in tensor_sums(tensors).items()}
+    return {
+        "method": "kept by the bare receiver",
+        "digests": {n: list(entry) for n, entry in sums.items()},
+        "readback": {n: [*entry, tensors[n].numel(), "whole"] for n, entry in sums.items()},
+        "unreadable": {},
+        "start": {"loader": "bare receiver", "load_format": None, "pushes": 1 if tensors else 0},
+        "worker": {"rank": 0, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_rank": 0},
+    }
 
 
 def serve(

@@ -32,6 +32,35 @@ def differing(reports: list[dict], expected: dict) -> list[str]:
     )
 
 
+def _unverified(e, reports: list[dict], version: int, entries: dict | None, expected: dict | None) -> str:
+    """Why engine ``e`` is not verified after sync ``version`` ("" when it is): a worker that did
+    not report, a worker whose received digests are not the trainer's (named), a worker that did
+    not complete the sync; then what the workers hold, read back from their parameters, where the
+    engine's control plane can ask (``held_problem``)."""
+    if e.workers and len(reports) != e.workers:
+        return (
+            f"{len(reports)} of its {e.workers} workers reported after sync {version}: the others are not verified "
+            "(a data-parallel engine its server did not ask?)"
+        )
+    if expected is not None:
+        bad = {r.get("rank"): differing([r], expected) for r in reports}
+        bad = {rank: names for rank, names in bad.items() if names}
+        if bad:
+            rank, names = next(iter(bad.items()))
+            more = f" (and {len(bad) - 1} more worker(s))" if len(bad) > 1 else ""
+            return (
+                f"weights differ from the trainer's after sync {version}: worker rank {rank}{more}: "
+                f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+            )
+    stale = [r.get("rank") for r in reports if str(r.get("version")) != str(version) or not r.get("complete")]
+    if stale:
+        return f"workers {stale} did not complete sync {version}"
+    held_problem = getattr(e.control, "held_problem", None)
+    if entries is not None and held_problem is not None:
+        return held_problem(entries) or ""
+    return ""
+
+
 def verify_engines(
     fleet: Fleet, urls: Sequence[str], version: int, entries: dict | None
 ) -> tuple[list[str], list[str]]:
@@ -49,15 +78,14 @@ def verify_engines(
             e.state, e.reason = state_after(exc), fleet.failed(e.control, exc).reason
             problems.append(e.reason)
             continue
-        bad = [] if expected is None else differing(reports, expected)
-        stale = [r.get("rank") for r in reports if str(r.get("version")) != str(version) or not r.get("complete")]
-        if bad or stale:
+        try:
+            e.reason = _unverified(e, reports, version, entries, expected)
+        except Exception as exc:  # noqa: BLE001  (a held-weights answer that is not one: the engine is down)
+            e.state, e.reason = state_after(exc), fleet.failed(e.control, exc).reason
+            problems.append(e.reason)
+            continue
+        if e.reason:
             e.state = State.PENDING
-            e.reason = (
-                f"weights differ from the trainer's after sync {version}: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
-                if bad
-                else f"workers {stale} did not complete sync {version}"
-            )
             problems.append(f"{e.url}: {e.reason}")
             log.error("engine %s gets no rollouts: %s", e.url, e.reason)
             continue

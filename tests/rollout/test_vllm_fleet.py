@@ -15,7 +15,7 @@ from dist_sr.engines import make_engine
 from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.rollout.vllm.control import VLLMControl, controls
 from dist_sr.sources import ReplicatedSource
-from dist_sr.testing.vllm_engines import EngineProcess, complete, free_port, save_tiny_model, vllm_missing
+from dist_sr.testing.vllm_engines import REPO, EngineProcess, complete, free_port, save_tiny_model, vllm_missing
 from dist_sr.weightsync.control import NoReadyEngineError
 from dist_sr.weightsync.sync import WeightSync
 from tests.dist_utils import run_workers
@@ -33,6 +33,15 @@ def fleet(tmp_path_factory):
     engines = {
         "a": EngineProcess(model_dir, tp=1, log_dir=root, name="a"),
         "b": EngineProcess(model_dir, tp=2, log_dir=root, name="b"),
+        # two data-parallel engines behind one server, either of which drops a tensor on cue
+        "c": EngineProcess(
+            model_dir,
+            dp=2,
+            log_dir=root,
+            name="c",
+            extension="tests.rollout.drop_on_cue.DropOnCueExtension",
+            env={"PYTHONPATH": str(REPO), "DIST_SR_TEST_DROP_CUE": str(root / "drop-cue")},
+        ),
     }
     try:
         for e in engines.values():
@@ -289,6 +298,100 @@ def test_zero3_and_fsdp2_trainers_deliver_their_working_bits_with_both_transport
     assert sorted(r["broadcast"]["ready"]) == sorted(r["shard-direct"]["ready"]) == sorted(urls)
     assert r["broadcast"]["bytes"] == r["shard-direct"]["bytes_all_ranks"] == 2 * r["numel"]
     assert r["shard-direct"]["bytes"] < r["broadcast"]["bytes"]  # each rank sent only its shard
+
+
+def _whole_fleet_worker(rank, world, data):
+    """Four trainer ranks (ZeRO-3 or FSDP2) sync into every engine of the fleet; then one worker
+    of the data-parallel engine starts dropping a tensor, and the next sync names it."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from dist_sr.rl.config import load_experiment
+    from dist_sr.rl.model import load_pretrained
+    from dist_sr.rl.trainer import settings
+
+    cfg = load_experiment(
+        {
+            "distributed": {
+                "engine": data["engine"],
+                "zero_stage": 3,
+                "fsdp2": {"shard_modules": ["Qwen2DecoderLayer"]},
+            },
+            "precision": {"precision": "bf16-sr", "seed": 78},
+            "grpo": {"prompts_per_step": 4, "samples_per_prompt": 2, "lr": 1e-3},
+        }
+    )
+    model, _ = load_pretrained(data["model_dir"])
+    trainer = make_engine(settings(cfg, world), model)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 10]])
+
+    def step():
+        trainer.backward(trainer.module(input_ids=ids).logits.float().square().mean())
+        trainer.step()  # new SR'd working weights
+
+    ws = WeightSync(
+        trainer.weight_source(),
+        controls(data["urls"], 120),
+        transport=data["transport"],
+        bucket_mb=0.25,
+        timeout_s=120,
+        group_port=data["port"],
+    )
+    step()
+    clean = ws.sync(1)
+    workers = [e.workers for e in ws.engines]
+    if rank == 0:
+        with open(data["cue"], "w") as f:
+            f.write(data["drop"])
+    torch.distributed.barrier()
+    step()
+    faulty = ws.sync(2)
+    if rank == 0:
+        with open(data["out"], "w") as f:
+            json.dump(
+                {
+                    "clean": {"ready": clean.ready, "problems": clean.problems, "workers": workers},
+                    "faulty": {"ready": faulty.ready, "problems": faulty.problems},
+                },
+                f,
+            )
+
+
+@pytest.mark.parametrize("engine_kind,transport", [("deepspeed", "broadcast"), ("fsdp2", "shard-direct")])
+def test_four_trainer_ranks_verify_every_worker_of_three_engines_and_name_one_that_drops_a_tensor(
+    fleet, engine_kind, transport, tmp_path
+):
+    """The whole fleet, counted: engines of 1 worker, 2 tensor-parallel workers and 2
+    data-parallel engines behind one server (whose answers vLLM's own client would cut to the
+    first engine's) are each verified worker by worker, read back from their parameters; a
+    worker that drops a tensor in its load (handed it, never wrote it: the transfer's digests
+    pass) is named with its engine, data-parallel rank and tensor, and only that engine is held
+    back."""
+    root, model_dir, engines = fleet
+    urls = [engines["a"].url, engines["b"].url, engines["c"].url]
+    out, drop = tmp_path / "result.json", "model.embed_tokens.weight"
+    run_workers(
+        _whole_fleet_worker,
+        4,
+        {
+            "engine": engine_kind,
+            "transport": transport,
+            "model_dir": str(model_dir),
+            "urls": urls,
+            "out": str(out),
+            "port": free_port(),
+            "cue": str(root / "drop-cue"),
+            "drop": drop,
+        },
+    )
+    r = json.loads(out.read_text())
+    assert sorted(r["clean"]["ready"]) == sorted(urls) and not r["clean"]["problems"], r["clean"]
+    assert r["clean"]["workers"] == [1, 2, 2]
+    assert sorted(r["faulty"]["ready"]) == sorted(urls[:2]), r["faulty"]
+    (problem,) = r["faulty"]["problems"]
+    assert problem.startswith(engines["c"].url) and drop in problem, problem
+    assert "data-parallel engine" in problem and "worker(s) [0]" in problem, problem
+    # the engine keeps dropping it: leave the fleet as the next test expects it
+    for taken in root.glob("drop-cue.taken-*"):
+        taken.unlink()
 
 
 def test_an_engine_killed_mid_sync_is_dropped_then_catches_up_from_disk_and_rejoins(fleet, tmp_path):

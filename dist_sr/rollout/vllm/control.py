@@ -15,6 +15,7 @@ from http.client import HTTPException
 
 from ...weightsync import auth
 from ...weightsync.control import TIMEOUT_S, EngineError, MalformedReply
+from .check import check_engine
 
 MAX_REPLY_BYTES = 256 << 20  # a fleet's largest answer (every worker's digests) is far smaller
 
@@ -74,6 +75,27 @@ def http(
     if not isinstance(answer, dict):
         raise MalformedReply(f"{where}: the answer is a JSON {type(answer).__name__}, not an object: {text[:200]!r}")
     return answer
+
+
+HELD_FLOOR_BYTES_PER_S = 100e6  # the slowest read-back a worker may take (torch's digest under load)
+_ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _bytes(entries: dict) -> int:
+    total = 0
+    for dtype, shape, _ in entries.values():
+        n = _ITEM.get(dtype, 4)
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+def held_timeout(entries: dict, timeout_s: float) -> float:
+    """Seconds the held-weights check of a model with digest ``entries`` may take: the control
+    timeout, or the model's bytes at ``HELD_FLOOR_BYTES_PER_S`` (each worker reads its share back
+    and digests it), whichever is longer."""
+    return max(timeout_s, _bytes(entries) / HELD_FLOOR_BYTES_PER_S)
 
 
 def worker_count(url: str, answer: dict) -> int:
@@ -137,6 +159,29 @@ class VLLMControl:
                 "reports (is the worker extension dist_sr.rollout.vllm.plugin.WorkerExtension?)"
             )
         return results
+
+    def held(self, timeout: float | None = None) -> list[dict]:
+        """Each worker's ``dist_sr_held_weights`` (``held.report``), every data-parallel engine's
+        included; anything else is a ``MalformedReply``."""
+        results = self._post("/collective_rpc", {"method": "dist_sr_held_weights"}, timeout).get("results")
+        if not isinstance(results, list) or not all(isinstance(r, dict) and "digests" in r for r in results):
+            raise MalformedReply(
+                f"{self.name}/collective_rpc: the workers' held-weights records are {results!r:.300}, not records"
+            )
+        return results
+
+    def held_problem(self, entries: dict) -> str | None:
+        timeout = held_timeout(entries, self.timeout_s)
+        try:
+            answers = self.held(timeout)
+        except EngineError as exc:
+            raise type(exc)(
+                f"{exc} (the held-weights check of {_bytes(entries) / 2**30:.2f} GiB had {timeout:.0f} s: "
+                f"rollout.vllm.timeout_s or {HELD_FLOOR_BYTES_PER_S / 1e6:.0f} MB/s of the model's bytes, whichever "
+                "is longer; raise rollout.vllm.timeout_s for an engine this busy)"
+            ) from None
+        check = check_engine(self.name, answers, entries)
+        return None if check.ok else f"what its workers hold: {check.detail()}"
 
     def resume(self) -> None:
         self._post("/resume")

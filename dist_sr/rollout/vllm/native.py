@@ -57,6 +57,7 @@ from ...numerics.digest import combine, dtype_name, piece_sum
 from ...weightsync import auth
 from ...weightsync.control import EngineError, MalformedReply
 from ...weightsync.export import rollout_metadata, rollout_weights
+from .check import answered_by_every_worker
 from .control import http, worker_count
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,11 @@ def digest_entries(recorded: dict) -> Entries:
 def check_held(name: str, workers: list[dict], sent: Entries) -> None:
     """Raise ``EngineError`` unless every worker of engine ``name`` holds each tensor of ``sent``
     (digest entries) as sent, naming the first that differ. Names the worker holds that were not
-    sent (loaded from the checkpoint, not part of this send) are not compared."""
+    sent (loaded from the checkpoint, not part of this send) are not compared. An engine whose
+    workers did not all answer (a data-parallel engine left out) is an error too."""
+    unanswered = answered_by_every_worker(workers)
+    if unanswered is not None:
+        raise EngineError(f"{name}: {unanswered}")
     for rank, held in enumerate(workers):
         entries = held_digest_entries(held)
         differ = sorted(n for n in sent if entries.get(n) != sent[n])

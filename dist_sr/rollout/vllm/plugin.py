@@ -176,6 +176,7 @@ def register() -> None:
     try:
         held.install_load_recorder()  # what the engine holds, whatever transport loads it
         _give_workers_the_rpcs()
+        _ask_every_data_parallel_engine()
     except Exception as exc:  # never keep vLLM from starting over the record
         held.not_recorded(f"installing the load record failed: {exc!r}")
         log.warning("dist-sr: weight loads are not recorded (%r)", exc)
@@ -416,8 +417,45 @@ def dist_sr_held_weights(self) -> dict:
         "rank": int(getattr(self, "rank", 0)),
         "tensor_parallel_size": int(pc.tensor_parallel_size),
         "pipeline_parallel_size": int(pc.pipeline_parallel_size),
+        "data_parallel_rank": int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0))),
     }
     return out
+
+
+def _ask_every_data_parallel_engine() -> None:
+    """In the API server's process: dist-sr's RPCs through ``collective_rpc`` go to every
+    data-parallel engine behind the server, and their workers' answers are concatenated (vLLM's
+    client returns the first engine's only, ``call_utility_async``), each marked with how many
+    engines were asked (``"server": {"engines": n}``), so the held-weights check can count the
+    answers against TP x PP x DP (``check.answered_by_every_worker``) even where this vLLM
+    cannot reach every engine (idempotent). Engine workers themselves cannot tell: vLLM configures
+    a dense model's data-parallel engines as independent engines of size 1."""
+    try:
+        from vllm.v1.engine.core_client import AsyncMPClient
+    except Exception:  # noqa: BLE001  (no such client: the answers carry no count, the check says so)
+        return
+    rpc = AsyncMPClient.__dict__.get("collective_rpc_async")
+    if rpc is None or getattr(rpc, "__dist_sr__", False):
+        return
+
+    async def collective_rpc_async(self, method, timeout=None, args=(), kwargs=None):
+        if method not in RPCS:
+            return await rpc(self, method, timeout, args, kwargs)
+        engines = len(getattr(self, "core_engines", ())) or 1
+        ask_all = getattr(self, "call_utility_all_async", None)
+        if engines > 1 and ask_all is not None:
+            per_engine = await ask_all("collective_rpc", method, timeout, args, kwargs)
+            answers = [a for workers in per_engine for a in workers]
+        else:
+            answers = await rpc(self, method, timeout, args, kwargs)
+        for a in answers:
+            if isinstance(a, dict):
+                a["server"] = {"engines": engines}
+        return answers
+
+    collective_rpc_async.__dist_sr__ = True
+    collective_rpc_async.__wrapped__ = rpc
+    AsyncMPClient.collective_rpc_async = collective_rpc_async
 
 
 RPCS = {"dist_sr_weight_report": dist_sr_weight_report, "dist_sr_held_weights": dist_sr_held_weights}
