@@ -223,3 +223,89 @@ def test_a_fan_out_client_marks_engines_that_answer_badly_down_and_goes_on_with_
         good.server.shutdown()
         for e in engines[:-2] + [late]:
             e.close()
+
+
+GARBAGE = ("banner", "not-utf8", "cut-short")  # a banner, binary bytes, a reply cut short
+
+
+@pytest.mark.parametrize("kind", GARBAGE)
+def test_a_fan_out_client_names_an_engine_answering_garbage_at_every_call(kind, caplog):
+    """An engine that answers garbage to every route, beside a healthy one: the init that counts
+    it, and every update call while the trainer's world still counts it, are refused naming it and
+    what it sent, before the healthy engine hears of them; once the trainer inits a world without
+    it, every call goes to the healthy engine and the log names the one left out."""
+    import logging
+    import threading
+
+    from dist_sr.rollout.vllm.native import FanOutClient
+    from tests.bad_engines import BadEngine
+
+    secret = b"s" * 32
+    good, bad = _Engine(secret, 2, threading.Barrier(1)), BadEngine(kind)
+    try:
+        fan = FanOutClient([SignedClient(good.url, secret=secret, timeout_s=10), SignedClient(bad.url, secret=secret)])
+        info = {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 4}
+        with pytest.raises(EngineError) as refused:
+            fan.init_weight_transfer_engine(info)  # 1 + 2 + the bad engine's worker
+        message = str(refused.value)
+        assert bad.url in message and re.search(bad.expect, message) and "pass world_size=3" in message, message
+        calls = {
+            "start_weight_update": fan.start_weight_update,
+            "update_weights": lambda: fan.update_weights(
+                {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
+            ),
+            "finish_weight_update": lambda: fan.finish_weight_update("7"),
+        }
+        for route, call in calls.items():
+            with pytest.raises(EngineError) as refused:
+                call()
+            message = str(refused.value)
+            assert message.startswith(route) and bad.url in message and re.search(bad.expect, message), message
+        assert good.calls == []  # nothing reached the healthy engine while the world counted the bad one
+        fan.init_weight_transfer_engine(dict(info, world_size=3))  # the trainer's world without it
+        with caplog.at_level(logging.WARNING, logger="dist_sr.rollout.vllm.native"):
+            for call in calls.values():
+                call()
+        assert [r for r, _ in good.calls] == ["init_weight_transfer_engine", *calls]
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(tuple(calls))]
+        assert len(said) == len(calls) and all(bad.url in m and re.search(bad.expect, m) for m in said), said
+    finally:
+        good.server.shutdown()
+        bad.close()
+
+
+@pytest.mark.parametrize("kind", GARBAGE)
+def test_an_engine_of_the_trainers_world_answering_garbage_stops_every_later_update_naming_it(kind):
+    """Both engines join the trainer's world; one answers its start with garbage: that start is
+    refused naming it, and so is every later call (its ranks are in the world: an update sent to
+    the others alone would wait on them), until an init without it."""
+    import threading
+
+    from dist_sr.rollout.vllm.native import FanOutClient
+    from tests.bad_engines import BadEngine
+
+    secret = b"s" * 32
+    good, bad = _Engine(secret, 1, threading.Barrier(1)), BadEngine(kind, on="/start_weight_update")
+    try:
+        fan = FanOutClient([SignedClient(good.url, secret=secret, timeout_s=10), SignedClient(bad.url, secret=secret)])
+        info = {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 3}
+        fan.init_weight_transfer_engine(info)
+        assert fan.members == [good.url, bad.url]
+        with pytest.raises(EngineError) as refused:
+            fan.start_weight_update()
+        assert str(refused.value).startswith(f"{bad.url}/start_weight_update") and re.search(
+            bad.expect, str(refused.value)
+        )
+        for route, call in (
+            ("update_weights", lambda: fan.update_weights({"names": []})),
+            ("start_weight_update", fan.start_weight_update),
+        ):
+            with pytest.raises(EngineError, match=rf"^{route} not sent: 1 of the 2 engines .*{re.escape(bad.url)}"):
+                call()
+        assert [r for r, _ in good.calls] == ["init_weight_transfer_engine", "start_weight_update"]
+        fan.init_weight_transfer_engine(dict(info, world_size=2))
+        fan.start_weight_update()
+        assert fan.members == [good.url] and good.calls[-1][0] == "start_weight_update"
+    finally:
+        good.server.shutdown()
+        bad.close()

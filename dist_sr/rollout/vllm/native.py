@@ -190,13 +190,20 @@ class FanOutClient:
     (``down``: its URL and the reason) and left out of ``clients`` from then on: errors of every
     engine are raised together, each naming its engine, and the next trainer engine's world
     (``1 + sum(workers())``) counts only the others, so the send goes on without it. ``rejoin()``
-    asks every engine again (after a restart). ``workers()`` raises only when no engine answers."""
+    asks every engine again (after a restart). ``workers()`` raises only when no engine answers.
+
+    Never silently partial: an init whose ``world_size`` counts a down engine is refused naming it
+    and why; the update calls go to the engines the last init reached (``members``), and while one
+    of those is down each is refused before any engine is called, naming it (its ranks are in the
+    trainer's transfer world: init a new world without it, or restart it and ``rejoin()``). A call
+    that goes on without engines an init left out logs their names and reasons."""
 
     def __init__(self, clients: list[SignedClient]):
         if not clients:
             raise ValueError("FanOutClient needs at least one engine's SignedClient")
         self.engines = list(clients)  # every engine, in rank order
         self.down: dict[str, str] = {}  # url -> why it is left out
+        self.members: list[str] | None = None  # the engines the last init reached: the trainer's transfer world
         self._workers: list[int] | None = None
 
     @property
@@ -243,38 +250,77 @@ class FanOutClient:
             self.down[url] = why
         return sorted(errors.values())
 
-    def _each(self, call, args: list) -> None:
-        errors = self._run(self.clients, call, args)
+    def _call(self, clients: list[SignedClient], call, args: list) -> None:
+        errors = self._run(clients, call, args)
         if errors:
             self._workers = None  # the next trainer engine's world is asked again
             raise EngineError("; ".join(errors))
 
+    def _why_down(self, urls) -> str:
+        return "; ".join(self.down[u] if self.down[u].startswith(u) else f"{u}: {self.down[u]}" for u in urls)
+
+    def _each(self, route: str, call, arg=None, *, refuse_down: bool = True) -> None:
+        """``call(client, arg)`` on every engine of the trainer's transfer world; refused before
+        any engine is called while one of them is down (``refuse_down``), naming it."""
+        world = self.members if self.members is not None else [c.url for c in self.engines]
+        down = [u for u in world if u in self.down]
+        if down and refuse_down:
+            raise EngineError(
+                f"{route} not sent: {len(down)} of the {len(world)} engines in the trainer's transfer world are down "
+                f"({self._why_down(down)}); init the trainer's engine anew without them (world_size = its sender "
+                "ranks + sum(workers())), or restart them and call rejoin() before that init"
+            )
+        targets = [c for c in self.clients if c.url in world]
+        if len(targets) < len(self.engines):
+            left = [c.url for c in self.engines if c not in targets]
+            log.warning(
+                "%s goes to %d of %d engines; not to %s",
+                route,
+                len(targets),
+                len(self.engines),
+                "; ".join(f"{u} ({self.down[u]})" if u in self.down else f"{u} (not in the last init)" for u in left),
+            )
+        self._call(targets, call, [arg] * len(targets))
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.members = None  # the world the trainer had is gone: this init makes the next one
         sizes = self.workers()  # also leaves out the engines that do not answer
-        infos = [init_info] * len(self.clients)
+        live = self.clients
+        infos = [init_info] * len(live)
+        down = f"; left out, down: {self._why_down(self.down)}" if self.down else ""
         if "rank_offset" in init_info:  # NCCL: each engine's workers take the ranks after the last's
             first = int(init_info["rank_offset"])
             expected = first + sum(sizes)
             if init_info.get("world_size") != expected:
                 raise EngineError(
                     f"init_info world_size={init_info.get('world_size')!r}, but the trainer's {first} sender "
-                    f"rank(s) and the workers of {len(sizes)} engines ({' + '.join(map(str, sizes))}) make "
-                    f"{expected}: pass world_size={expected} in the trainer's init info"
+                    f"rank(s) and the workers of the {len(sizes)} engine(s) that answer "
+                    f"({' + '.join(map(str, sizes))}) make {expected}{down}: pass world_size={expected} in the "
+                    "trainer's init info"
+                    + (" to go on without them, or restart them and call rejoin()" if down else "")
                 )
             infos = [dict(init_info, rank_offset=first + sum(sizes[:k])) for k in range(len(sizes))]
-        self._each(lambda c, info: c.init_weight_transfer_engine(info), infos)
+        if down:
+            log.warning("init_weight_transfer_engine goes on without the engines that are down%s", down)
+        self._call(live, lambda c, info: c.init_weight_transfer_engine(info), infos)
+        self.members = [c.url for c in live]
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._each(lambda c, _: c.shutdown_weight_transfer_engine(), [None] * len(self.clients))
+        try:  # what is up is shut down, what is down is named (in the log): a shutdown is often cleanup
+            self._each(
+                "shutdown_weight_transfer_engine", lambda c, _: c.shutdown_weight_transfer_engine(), refuse_down=False
+            )
+        finally:
+            self.members = None
 
     def start_weight_update(self) -> None:
-        self._each(lambda c, _: c.start_weight_update(), [None] * len(self.clients))
+        self._each("start_weight_update", lambda c, _: c.start_weight_update())
 
     def update_weights(self, update_info) -> None:
-        self._each(lambda c, info: c.update_weights(info), [update_info] * len(self.clients))
+        self._each("update_weights", lambda c, info: c.update_weights(info), update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._each(lambda c, v: c.finish_weight_update(v), [weight_version] * len(self.clients))
+        self._each("finish_weight_update", lambda c, v: c.finish_weight_update(v), weight_version)
 
 
 def held_digest_entries(held: dict) -> Entries:
