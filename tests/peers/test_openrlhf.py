@@ -275,13 +275,23 @@ def _loop_worker(rank, world, model_dir, zero_stage, extra, address, prefix, out
         trainer.broadcast_to_vllm()  # OpenRLHF's sync, then dist-sr's check: passes
         expected = keyed(actor, zero_stage)
         if rank == 0:
+            from dist_sr.integrations.ray_engines import collective_rpc
+
             (check,) = trainer._dist_sr.checks
             assert check.ok and check.start == "auto" and check.held and check.as_loaded, check.summary()
             torch.save(expected, out / "expected.pt")
             tokens = openrlhf_cpu.generate(engines[0], PROMPTS)
-            (out / "check.json").write_text(
-                json.dumps({"summary": check.summary(), "load_format": check.start, "tokens": tokens})
-            )
+            ((answer, *_),) = collective_rpc(engines, "dist_sr_held_weights", names=["vLLM engine 0"])
+            observed = {  # for scripts/peer_stacks.sh, which prints these values (tests/peers/results.py)
+                "extension": answer["worker"]["extension"],  # what the engine says it runs
+                "load_format": check.start,
+                "engines": len(trainer._dist_sr.checks),
+                "verified": sum(c.ok for c in trainer._dist_sr.checks),
+                "tensors": len(expected),
+                "read_back": len(check.held),
+                "as_loaded": len(check.as_loaded),
+            }
+            (out / "check.json").write_text(json.dumps({"observed": observed, "tokens": tokens}))
 
         second = ppo_step(trainer, actor, rank, 2)  # its status reports the sync after step 1
         assert second["dist_sr/key_step"] == 2 and second["dist_sr/sync_key_step"] == 1
@@ -296,6 +306,7 @@ def _loop_worker(rank, world, model_dir, zero_stage, extra, address, prefix, out
             trainer.broadcast_to_vllm()
         message = str(stopped.value)
         assert "vLLM engine 0" in message and TENSOR in message and "handed other bits" in message, message
+        named = sorted({p.tensor for c in trainer._dist_sr.checks for p in c.problems}) if rank == 0 else None
 
         os.environ["DIST_SR_VERIFY"] = "warn"
         trainer.broadcast_to_vllm()  # the same push: logged on rank 0, training goes on
@@ -305,7 +316,7 @@ def _loop_worker(rank, world, model_dir, zero_stage, extra, address, prefix, out
         assert third["dist_sr/sync_key_step"] == 2 and third["dist_sr/engines_verified"] == 0
         assert third["dist_sr/tensors_differ"] == 1
     if rank == 0:
-        (out / "caught.json").write_text(json.dumps({"tensor": TENSOR, "message": message}))
+        (out / "caught.json").write_text(json.dumps({"pushed": TENSOR, "caught": named, "message": message}))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -344,11 +355,10 @@ def test_openrlhfs_own_loop_and_engine_hold_the_keyed_bits_and_a_master_pushed_i
         "openrlhf",
         case,
         version=version("openrlhf"),
-        extension="OpenRLHF's own worker extension",
-        load_format=check["load_format"],
-        passed=check["summary"],
-        caught=caught["tensor"],
+        pushed=caught["pushed"],
+        caught=caught["caught"],
         pushed_as="rounded to nearest, as OpenRLHF's worker takes only the engine's dtype",
+        **check["observed"],
     )
 
 

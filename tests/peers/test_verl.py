@@ -226,7 +226,6 @@ def test_verls_param_offload_leaves_dist_sr_holding_no_storage_of_the_moved_shar
 
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # the tensor a faulty exporter sends as its FP32 master
-RESULTS_ENV = "DIST_SR_PEER_RESULTS"  # where scripts/peer_stacks.sh reads what the loop test saw
 
 
 def actor_rollout(model_dir, job: str):
@@ -387,9 +386,18 @@ def _loop_worker(rank, world, model_dir, engines, job, out_dir):
     read_back, as_loaded = len(sync.engines[0].held), len(sync.engines[0].as_loaded)
     tensors = read_back + as_loaded
     assert read_back and as_loaded and tensors == len(engine._dist_sr_ctx.names)
-    seen["engine_check"] = {"engines": world, "read_back": read_back, "as_loaded": as_loaded}
-    (base,) = Extension.__bases__  # what the engines run: verl's own extension, CPU stand-ins aside
-    seen["extension"] = f"{base.__module__}.{base.__qualname__}"
+    seen.update(  # for scripts/peer_stacks.sh, which prints these values (tests/peers/results.py)
+        engines=len(sync.engines),
+        verified=sum(e.ok for e in sync.engines),
+        tensors=len(engine._dist_sr_ctx.names),
+        read_back=read_back,
+        as_loaded=as_loaded,
+    )
+    # what the engine says it runs: the CPU stand-in, then verl's own extension it derives from
+    (base,) = Extension.__bases__
+    (answer,) = run(ask_engine(worker.rollout))
+    seen["extension"] = answer["worker"]["extension"]
+    assert seen["extension"][:2] == [f"{Extension.__module__}.Extension", f"{base.__module__}.{base.__qualname__}"]
 
     # the next update reports that sync (the weights its rollouts came from)
     metrics = tu.get(worker.update_actor(ppo_batch(1, rank)), "metrics")
@@ -405,7 +413,7 @@ def _loop_worker(rank, world, model_dir, engines, job, out_dir):
     assert Q in message and "handed other bits" in message, message
     assert all(f"vllm replica {r}" in message for r in range(world)), message
     assert {p.tensor for e in engine._dist_sr_last_sync.engines for p in e.problems} == {Q}
-    seen["master_caught"] = {"tensor": Q, "message": message[:400]}
+    seen.update(pushed=Q, caught=sorted({p.tensor for e in engine._dist_sr_last_sync.engines for p in e.problems}))
 
     # DIST_SR_VERIFY=warn: the same push is logged (once, by rank 0) and training goes on
     os.environ["DIST_SR_VERIFY"] = "warn"
@@ -449,7 +457,6 @@ def test_verls_own_loop_keeps_every_dummy_started_vllm_024_engine_checked_agains
     rollout side of a checkpoint engine (verl's ``CheckpointEngineWorker.update_weights``) checks
     its engine against what arrived; and the engine then generates like a fresh engine on a
     checkpoint of the trainer's bits."""
-    import os
     import uuid
 
     from tests.peers.harness import PROMPTS, Engine, digest_of, save_with_weights, trainer_digest
@@ -485,9 +492,13 @@ def test_verls_own_loop_keeps_every_dummy_started_vllm_024_engine_checked_agains
         assert fresh.wait_ready().call("generate", PROMPTS, 8) == tokens
     finally:
         fresh.close()
-    if os.environ.get(RESULTS_ENV):  # for scripts/peer_stacks.sh: what this run saw
-        observed = json.loads((tmp_path / "observed.json").read_text())
-        Path(os.environ[RESULTS_ENV]).write_text(json.dumps({"load_format": "dummy", **observed}))
+    import verl
+
+    from tests.peers import results
+
+    observed = json.loads((tmp_path / "observed.json").read_text())  # for scripts/peer_stacks.sh
+    pushed_as = "the FP32 master, which vLLM's load casts to nearest"
+    results.record("verl", "colocated", version=verl.__version__, load_format="dummy", pushed_as=pushed_as, **observed)
 
 
 class _Transport:
@@ -527,6 +538,8 @@ def export_hook_hands_master(name: str):
 def _checkpoint_engine_worker(rank, world, model_dir, job):
     """verl's ``update_weights`` through a checkpoint engine, on the trainer: what verl's exporter
     gathered is compared with the key; the rollout side must be set up to check its engines."""
+    import os
+
     from dist_sr.rollout.vllm.check import HeldWeightsMismatch
 
     worker = actor_rollout(model_dir, job)
@@ -541,7 +554,18 @@ def _checkpoint_engine_worker(rank, world, model_dir, job):
     run(worker.update_weights(global_steps=2, mode="nccl"))
     check = engine._dist_sr_last_sync
     assert check.ok and check.path == "checkpoint engine (nccl)", check.summary()
-    assert check.metrics() == {"dist_sr/tensors_differ": 0.0}
+    assert check.metrics() == {"dist_sr/tensors_differ": 0.0, "dist_sr/rollout_side_verified": 1.0}
+
+    # SGLang replicas: only vLLM's ServerAdapter checks what arrived, so the rollout side is unverified
+    worker.config.rollout.name = "sglang"
+    with pytest.raises(HeldWeightsMismatch, match="rollout side not verified: rollout.name=sglang"):
+        run(worker.update_weights(global_steps=2, mode="nccl"))
+    os.environ["DIST_SR_VERIFY"] = "warn"
+    run(worker.update_weights(global_steps=2, mode="nccl"))  # logged, and training goes on: never reported verified
+    del os.environ["DIST_SR_VERIFY"]
+    assert engine._dist_sr_last_sync.metrics()["dist_sr/rollout_side_verified"] == 0.0
+    assert not engine._dist_sr_last_sync.ok and "rollout side not verified" in engine._dist_sr_last_sync.summary()
+    worker.config.rollout.name = "vllm"
 
     with export_hook_hands_master(Q), pytest.raises(HeldWeightsMismatch) as caught:
         run(worker.update_weights(global_steps=3, mode="nccl"))
@@ -556,6 +580,7 @@ def test_a_checkpoint_engine_sync_compares_verls_export_with_the_key_on_the_trai
     """verl's ``ActorRolloutRefWorker.update_weights`` with a checkpoint engine (``nccl``; its
     transport stood in): the export passes; one tensor gathered as its FP32 master stops the step
     naming it; a run whose rollout side would not check its engines (no
-    ``custom_backend_module``) and ``delta_sharded`` (deltas, not tensors) stop, saying why."""
+    ``custom_backend_module``, SGLang replicas) and ``delta_sharded`` (deltas, not tensors) stop,
+    saying why, and with ``DIST_SR_VERIFY=warn`` report the rollout side not verified."""
     model_dir = save_tiny_model(tmp_path / "model")
     run_workers(_checkpoint_engine_worker, 2, str(model_dir), "dist-sr-ckpt")

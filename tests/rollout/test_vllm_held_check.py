@@ -90,6 +90,8 @@ def test_a_dummy_started_engine_under_a_frameworks_extension_is_checked_tensor_b
     start = check_engine("engine-0", held["start"], want1)
     assert start.waiting and not start.ok and WAITING in start.summary()
     assert held["start"][0]["start"] == {"loader": "DummyModelLoader", "load_format": "dummy", "pushes": 0}
+    # the engine says which worker extension it runs (the framework's, from the class vLLM mixed in)
+    assert held["start"][0]["worker"]["extension"] == [FRAMEWORK], held["start"][0]["worker"]
 
     keyed = check_engine("engine-0", held["keyed"], want1)
     assert keyed.ok, keyed.summary()
@@ -131,6 +133,8 @@ def test_a_tensor_parallel_loader_that_takes_the_wrong_slice_is_caught(tmp_path)
         },
     )["loaded"]
     assert [w["worker"]["rank"] for w in held] == [0, 1]
+    mis = "tests.rollout.framework_extension.MisShardingExtension"
+    assert all(w["worker"]["extension"][:2] == [mis, FRAMEWORK] for w in held), held[0]["worker"]  # and its bases
     check = check_engine("engine-0", held, checkpoint)
     biases = {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv"}
     assert {p.tensor for p in check.problems} == biases, check.summary()

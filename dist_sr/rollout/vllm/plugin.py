@@ -65,8 +65,9 @@ class VLLMCapabilities:
             return None
         return (
             f"dist-sr's weight-transfer backend needs {'; '.join(self.backend_missing)}, which vLLM "
-            f"{self.version} lacks; use a vLLM with the weight-transfer API (0.24 or newer), or push weights "
-            "through the model's load_weights (TRL-style) and verify them with the held-weights record"
+            f"{self.version} lacks; use a vLLM with the weight-transfer API whose internals dist-sr knows (0.24 to "
+            "0.32 tested), or push weights through the model's load_weights (TRL-style) and verify them with the "
+            "held-weights record"
         )
 
     def record_refusal(self) -> str | None:
@@ -129,6 +130,7 @@ def capabilities() -> VLLMCapabilities:
             )
         if not lifecycle and not _worker_drives_reload():
             backend.append("start_weight_update/finish_weight_update on the weight-transfer engine or the worker")
+        backend.extend(_worker_state_missing(lifecycle))
     return VLLMCapabilities(
         getattr(vllm, "__version__", "unknown"),
         engine_lifecycle=lifecycle,
@@ -142,6 +144,47 @@ def _worker_class():
     from vllm.v1.worker.gpu_worker import Worker
 
     return Worker
+
+
+# vLLM's private worker state the backend's patches read or write: a vLLM that renames one would
+# bring back, without a word, the failure the patch fixed. name -> (methods that must use it, why)
+WORKER_STATE = {
+    "weight_transfer_engine": (("__init__",), "the worker's engine, which dist-sr's start patches look for"),
+    "_weight_update_active": (
+        ("__init__", "start_weight_update"),
+        "the flag by which the worker refuses a second start; dist-sr clears it so the trainer's start "
+        "supersedes an update it gave up (_let_a_start_supersede_an_unfinished_update)",
+    ),
+}
+WORKER_STATE_RELOAD = {  # where the worker runs the reload itself (0.24): _bracket_worker_updates
+    "_is_checkpoint_format": (("__init__", "start_weight_update"), "whether the worker's start opened a reload"),
+}
+
+
+def _worker_state_missing(lifecycle: bool) -> list[str]:
+    """What of ``WORKER_STATE`` vLLM's worker class does not use where dist-sr relies on it: each
+    name must occur in the code of the worker's methods named (``start_weight_update``: every
+    method whose name contains it, as 0.29's ``_start_weight_update``), unwrapped of dist-sr's
+    own patches."""
+    try:
+        worker = _worker_class()
+    except Exception as exc:  # noqa: BLE001  (a build without it: named)
+        return [f"vllm.v1.worker.gpu_worker.Worker ({type(exc).__name__})"]
+    used: dict[str, set[str]] = {}
+    for klass in reversed(worker.__mro__):
+        for name, fn in vars(klass).items():
+            code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+            if code is not None:
+                used[name] = set(code.co_names)
+    needs = {**WORKER_STATE, **({} if lifecycle else WORKER_STATE_RELOAD)}
+    missing = []
+    for attr, (methods, why) in needs.items():
+        for method in methods:
+            names = set().union(*(n for m, n in used.items() if m == method or (method != "__init__" and method in m)))
+            if attr not in names:
+                missing.append(f"Worker.{attr} in its {method} ({why})")
+                break
+    return missing
 
 
 def _worker_drives_reload() -> bool:
@@ -227,6 +270,7 @@ def _bracket_worker_updates() -> None:
         return result
 
     start_weight_update.__dist_sr__ = finish_weight_update.__dist_sr__ = True
+    start_weight_update.__wrapped__, finish_weight_update.__wrapped__ = start, finish  # what capabilities() reads
     worker.start_weight_update, worker.finish_weight_update = start_weight_update, finish_weight_update
 
 
@@ -251,6 +295,7 @@ def _let_a_start_supersede_an_unfinished_update() -> None:
         return start(self, *args, **kwargs)
 
     start_weight_update.__dist_sr__ = start_weight_update.__dist_sr_supersede__ = True
+    start_weight_update.__wrapped__ = start  # what capabilities() reads
     worker.start_weight_update = start_weight_update
 
 
@@ -419,6 +464,7 @@ def dist_sr_held_weights(self) -> dict:
         "pipeline_parallel_size": int(pc.pipeline_parallel_size),
         "data_parallel_rank": int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0))),
     }
+    out["worker"]["extension"] = worker_extension(self, pc)
     return out
 
 
@@ -466,3 +512,16 @@ class WorkerExtension:
     dist_sr.rollout.vllm.plugin.WorkerExtension``): the plugin gives every worker dist-sr's RPCs
     (``RPCS``) itself, so this class adds nothing (and must not: vLLM refuses an extension whose
     names the worker already has)."""
+
+
+def worker_extension(worker, parallel_config) -> list[str]:
+    """The worker extension vLLM mixed into ``worker``'s class (``worker_extension_cls``) and the
+    classes it derives from, as ``module.Class``, most derived first ([] without one): what the
+    engine runs, as it reports it, not what a caller assumes."""
+    wanted = (getattr(parallel_config, "worker_extension_cls", "") or "").replace(":", ".")
+    if not wanted:
+        return []
+    for klass in type(worker).__mro__:
+        if f"{klass.__module__}.{klass.__qualname__}" == wanted:
+            return [f"{k.__module__}.{k.__qualname__}" for k in klass.__mro__ if k is not object]
+    return [wanted]  # configured, yet not among the worker's classes: said as configured
