@@ -16,6 +16,14 @@ nothing heavy: it registers an import finder that acts only when one of ``WATCHE
 - ``openrlhf.trainer.ray.ppo_actor`` with ``DIST_SR_SEED`` set: ``dist_sr.integrations.openrlhf.enable()``
   makes OpenRLHF's trainer check every rollout engine after each weight sync and log dist-sr's metrics.
 
+- ``deepspeed.launcher.runner`` (the ``deepspeed`` command): the job's SR switch (``FORWARDED``)
+  joins the variables its multi-node runners (pdsh, OpenMPI, MVAPICH, SLURM, ...) export to every
+  node, which are otherwise only ``EXPORT_ENVS``' prefixes and ``.deepspeed_env``.
+
+The finder asks every other finder on ``sys.meta_path`` for the module (``PathFinder``, and also
+setuptools' editable-install finders, a zipimporter's path hooks, ...), and wraps whichever
+answers. ``diagnose()`` says whether the hook is in force in this process, and if not, why.
+
 ``DIST_SR_DEEPSPEED_HOOK=0`` turns the hook off for one process: then a job that still asks for SR
 (``DIST_SR_SEED``, an enabled block) is refused at ``deepspeed.initialize``, never trained
 round-to-nearest. ``dist-sr deepspeed-hook uninstall`` removes the file; ``status`` says whether
@@ -31,6 +39,9 @@ import sys
 
 ENV = "DIST_SR_DEEPSPEED_HOOK"
 SEED_ENV = "DIST_SR_SEED"  # dist_sr.engines.deepspeed.config.SEED_ENV, without importing dist_sr at start-up
+# What the deepspeed launcher exports to every node (as prefixes of EXPORT_ENVS): the switch and
+# how every rank checks it. Never a secret (DIST_SR_SYNC_SECRET): exports travel on the command line.
+FORWARDED = ("DIST_SR_SEED", "DIST_SR_MODE", "DIST_SR_DEEPSPEED_HOOK", "DIST_SR_VERIFY", "DIST_SR_AGREE_TIMEOUT")
 PTH_NAME = "dist_sr_deepspeed_hook.pth"
 # the .pth line: a missing dist-sr (uninstalled without removing the file) must not break start-up
 PTH_LINE = (
@@ -72,9 +83,15 @@ def _guard_deepspeed(module) -> None:
                 f"dist-sr's hook off in this process, so DeepSpeed would train round-to-nearest. Unset "
                 f"{ENV}, or drop the block and {SEED_ENV} to train without SR"
             )
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        try:  # still one of the job's ranks: the others learn this one has the hook off
+            from dist_sr.engines.deepspeed.agree import agree
+        except ImportError:
+            return result
+        agree(None, hook=f"off ({ENV}={os.environ.get(ENV)!r})")
+        return result
 
-    initialize.__dist_sr_guard__ = True
+    initialize.__dist_sr_guard__ = True  # type: ignore[attr-defined]
     module.initialize = initialize
 
 
@@ -90,13 +107,21 @@ def _enable_openrlhf(module) -> None:
         openrlhf.enable(module)
 
 
+def _forward_switch(module) -> None:
+    """``deepspeed.launcher.runner``: its multi-node runners export ``FORWARDED`` to every node (off
+    too: a node must see the switch the user set, to refuse it there)."""
+    exports = module.EXPORT_ENVS
+    exports.extend(name for name in FORWARDED if name not in exports)
+
+
 # module -> what runs right after it is imported (hook on); the guard's table (hook off)
 WATCHED = {
     "deepspeed": _patch_deepspeed,
+    "deepspeed.launcher.runner": _forward_switch,
     "verl.workers.engine.fsdp.transformer_impl": _enable_verl,
     "openrlhf.trainer.ray.ppo_actor": _enable_openrlhf,
 }
-GUARDED = {"deepspeed": _guard_deepspeed}
+GUARDED = {"deepspeed": _guard_deepspeed, "deepspeed.launcher.runner": _forward_switch}
 
 
 class _Loader(importlib.abc.Loader):
@@ -127,18 +152,49 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    """Finds a watched module the way the import system would without it: the first other
+    finder on ``sys.meta_path`` that answers (``PathFinder``, setuptools' editable-install
+    finders, ...), whose loader it wraps."""
+
     def __init__(self, table: dict):
         self.table = table
+        self._finding: set = set()  # names being looked up here: another finder may ask again
 
     def find_spec(self, name, path=None, target=None):
         after = self.table.get(name)
-        if after is None:
+        if after is None or name in self._finding:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        self._finding.add(name)
+        try:
+            spec = _spec_from_others(name, path, target)
+        finally:
+            self._finding.discard(name)
         if spec is None or spec.loader is None:
             return None
         spec.loader = _Loader(spec.loader, after)
         return spec
+
+
+def served_by(name: str) -> str | None:
+    """Which finder on ``sys.meta_path`` (this hook's aside) finds module ``name``, or None."""
+    for finder in list(sys.meta_path):
+        if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
+            continue
+        if finder.find_spec(name, None, None) is not None:
+            kind = finder if isinstance(finder, type) else type(finder)
+            builtin = kind.__module__.startswith("_frozen_importlib")
+            return kind.__qualname__ if builtin else f"{kind.__module__}.{kind.__qualname__}"
+    return None
+
+
+def _spec_from_others(name, path, target):
+    for finder in list(sys.meta_path):
+        if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 def enabled() -> bool:
@@ -191,6 +247,73 @@ def uninstall(directory: str | None = None) -> str | None:
     except FileNotFoundError:
         return None
     return path
+
+
+def active() -> bool:
+    """Whether ``deepspeed.initialize`` is, or will be when imported, dist-sr's in this process."""
+    ds = sys.modules.get("deepspeed")
+    if ds is not None:
+        return bool(getattr(getattr(ds, "initialize", None), "__dist_sr_hook__", False))
+    return any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path)
+
+
+REGISTER_FIX = (
+    "install dist-sr with pip into the environment's own site-packages (`pip install dist-sr`, not --target), "
+    "or register the hook before anything imports deepspeed: `import dist_sr_deepspeed_hook; "
+    "dist_sr_deepspeed_hook.register()` as the script's first lines (Ray: runtime_env "
+    '{"worker_process_setup_hook": "dist_sr_deepspeed_hook.register"})'
+)
+
+
+def diagnose() -> tuple[bool, str]:
+    """``(in force, why)``: whether the hook is in force in this process, and in words where its
+    ``.pth`` is, or why Python did not run it (with the fix). Stdlib only."""
+    if not enabled():
+        return False, f"turned off: {ENV}={os.environ.get(ENV)!r} (unset it to turn the hook on)"
+    ds = sys.modules.get("deepspeed")
+    hooked = any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if hooked and ds is not None and not active():
+        return False, (
+            "registered after deepspeed was imported: deepspeed.initialize is DeepSpeed's own; register the "
+            "hook before anything imports deepspeed (or let the .pth do it: pip install dist-sr)"
+        )
+    if hooked or active():
+        found = [d for d in _site_dirs() if os.path.exists(pth_path(d))]
+        where = f"{pth_path(found[0])}, processed at start-up" if found else "registered by the program itself"
+        return True, where
+    if sys.flags.no_site:
+        why = "python -S: the site module is off, so no .pth file runs (dist-sr's hook included)"
+    elif not os.path.isdir(here):  # an archive on sys.path: dist_sr_deepspeed_hook.py inside a zip
+        why = f"dist-sr is imported from the archive {here} (a zipapp): Python never runs .pth files from archives"
+    elif os.path.realpath(here) not in {os.path.realpath(d) for d in _site_dirs()}:
+        via = (
+            "through PYTHONPATH"
+            if os.path.realpath(here)
+            in {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+            else "put on sys.path at run time"
+        )
+        why = (
+            f"dist-sr is imported from {here}, {via}, which is not a site directory: Python runs .pth files only "
+            "in site directories (pip install --target, Ray py_modules and working_dir install like this)"
+        )
+    elif not os.path.exists(pth_path(here)):
+        why = (
+            f"{pth_path(here)} does not exist (an editable install without `dist-sr deepspeed-hook install`, or "
+            "the file was removed)"
+        )
+    else:
+        why = f"{pth_path(here)} exists but the hook is not registered in this process (removed from sys.meta_path?)"
+    return False, f"{why}. Fix: {REGISTER_FIX}"
+
+
+def _site_dirs() -> list[str]:
+    import site
+
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE and site.USER_SITE:
+        dirs.append(site.USER_SITE)
+    return dirs
 
 
 def main(argv: list[str] | None = None) -> int:

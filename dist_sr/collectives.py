@@ -57,3 +57,24 @@ def summed(values: list[float], group=None, device=None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def posted(key: str, obj, timeout_s: float) -> list:
+    """Every rank's ``obj`` (JSON-serialisable), in rank order, exchanged through the default
+    group's rendezvous store rather than a collective: a rank that never posts under ``key`` (one
+    that does not run this code) leaves None in its place after ``timeout_s``, where a collective
+    would hang or pair with another call. ``key`` must name one exchange of the job."""
+    import json
+    from datetime import timedelta
+
+    if world() == 1:
+        return [obj]
+    store = dist.distributed_c10d._get_default_store()
+    me, n = rank(), world()
+    store.set(f"{key}/{me}", json.dumps(obj))
+    keys = [f"{key}/{r}" for r in range(n)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # timed out: which ranks never posted is asked key by key
+        pass
+    return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]

@@ -335,3 +335,34 @@ def test_reference_models_built_from_the_training_config_are_left_alone_and_logg
     skipped = [m for m in r["log"] if "no SR for DeepSpeed engine" in m]
     assert len(attached) == 2 and "ZeRO stage 2" in attached[0] and "ZeRO stage 3" in attached[1]
     assert len(skipped) == 2 and all("Qwen2ForCausalLM" in m and "no optimizer" in m for m in skipped)
+
+
+def test_the_finder_wraps_a_module_that_another_meta_path_finder_serves(tmp_path, monkeypatch):
+    """A watched module served by setuptools' editable-install finder (a meta-path finder, not
+    PathFinder: an editable DeepSpeed) is still patched at import."""
+    from setuptools.command.editable_wheel import _finder_template  # the finder setuptools writes
+
+    (tmp_path / "src" / "dsr_probe_pkg").mkdir(parents=True)
+    (tmp_path / "src" / "dsr_probe_pkg" / "__init__.py").write_text("value = 1\n")
+    source = _finder_template("dsr-probe", {"dsr_probe_pkg": str(tmp_path / "src" / "dsr_probe_pkg")}, {})
+    (tmp_path / "dsr_probe_finder.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dsr_probe_finder
+
+    seen = []
+    finder = hook._Finder({"dsr_probe_pkg": seen.append})
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path, dsr_probe_finder._EditableFinder])
+    monkeypatch.delitem(sys.modules, "dsr_probe_pkg", raising=False)
+    import dsr_probe_pkg
+
+    assert [m.__name__ for m in seen] == ["dsr_probe_pkg"] and dsr_probe_pkg.value == 1
+
+
+def test_the_deepspeed_launcher_exports_the_switch_to_every_node_and_no_secret():
+    """DeepSpeed's multi-node runners export only EXPORT_ENVS' prefixes (and .deepspeed_env): the
+    hook adds the switch (tests/launch/test_multinode_deepspeed.py launches with it)."""
+    from deepspeed.launcher import runner
+
+    assert hook.active(), "this environment's hook (scripts/setup.sh) must be in force"
+    assert {"DIST_SR_SEED", "DIST_SR_MODE", "DIST_SR_DEEPSPEED_HOOK"} <= set(runner.EXPORT_ENVS)
+    assert not any("DIST_SR_SYNC_SECRET".startswith(prefix) for prefix in runner.EXPORT_ENVS)

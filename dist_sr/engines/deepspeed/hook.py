@@ -45,6 +45,7 @@ import torch
 from ...numerics import live, stochastic_round
 from ...numerics.digest import piece_sum
 from ...numerics.key import check_mode, normalize_param_name
+from .agree import agree
 from .config import CONFIG_KEY, SRConfig, agree_with_env, load_ds_config, split_config
 from .layouts import check_zero_config, layout_for
 from .version import check_universal_reload, check_version
@@ -65,19 +66,25 @@ def hooked_initialize(original):
     """Wrap ``deepspeed.initialize``: a call whose config has no enabled SR block goes to
     ``original`` unchanged; otherwise the block is removed, the rest is passed as ``config`` (and
     ``args.deepspeed_config`` cleared on a copy of ``args``), and SR is attached to the engine.
-    Installed for unmodified scripts by ``dist-sr deepspeed-hook install``."""
+    Either way, once DeepSpeed built the engine, every rank agrees on it (``agree``) before any
+    rank attaches. Installed for unmodified scripts by ``dist-sr deepspeed-hook install``."""
+
+    if getattr(original, "__dist_sr_hook__", False):
+        return original
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any):
         sr, args, kwargs = take_sr_block(args, kwargs)
-        if sr is None:
-            return original(*args, **kwargs)
-        check_version()  # before any work is done
-        if isinstance(kwargs.get("config"), dict):  # (else attach checks the built engine)
-            check_zero_config(kwargs["config"].get("zero_optimization") or {})
+        if sr is not None:
+            check_version()  # before any work is done
+            if isinstance(kwargs.get("config"), dict):  # (else attach checks the built engine)
+                check_zero_config(kwargs["config"].get("zero_optimization") or {})
         result = original(*args, **kwargs)
         engine = result[0]
-        reason = untrained(engine)
+        reason = None if sr is None else untrained(engine)
+        agree(sr, attached=sr is not None and not reason)  # every rank, before any of them patches anything
+        if sr is None:
+            return result
         if reason:  # a reference or eval model built from the training config: its weights stay as loaded
             log.warning("dist-sr: no SR for DeepSpeed engine of %s: %s", type(engine.module).__name__, reason)
             return result
