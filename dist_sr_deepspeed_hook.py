@@ -282,28 +282,29 @@ def diagnose() -> tuple[bool, str]:
         found = [d for d in _site_dirs() if os.path.exists(pth_path(d))]
         where = f"{pth_path(found[0])}, processed at start-up" if found else "registered by the program itself"
         return True, where
+    sites = _site_dirs()
+    in_site = [d for d in sites if os.path.exists(pth_path(d))]
     if sys.flags.no_site:
         why = "python -S: the site module is off, so no .pth file runs (dist-sr's hook included)"
     elif not os.path.isdir(here):  # an archive on sys.path: dist_sr_deepspeed_hook.py inside a zip
         why = f"dist-sr is imported from the archive {here} (a zipapp): Python never runs .pth files from archives"
-    elif os.path.realpath(here) not in {os.path.realpath(d) for d in _site_dirs()}:
-        via = (
-            "through PYTHONPATH"
-            if os.path.realpath(here)
-            in {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-            else "put on sys.path at run time"
+    elif in_site:
+        why = (
+            f"{pth_path(in_site[0])} ran at start-up, but the hook is not registered in this process any more "
+            "(its finder was taken off sys.meta_path)"
         )
+    elif os.path.exists(pth_path(here)):
+        on_path = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+        via = "through PYTHONPATH" if os.path.realpath(here) in on_path else "put on sys.path at run time"
         why = (
             f"dist-sr is imported from {here}, {via}, which is not a site directory: Python runs .pth files only "
             "in site directories (pip install --target, Ray py_modules and working_dir install like this)"
         )
-    elif not os.path.exists(pth_path(here)):
-        why = (
-            f"{pth_path(here)} does not exist (an editable install without `dist-sr deepspeed-hook install`, or "
-            "the file was removed)"
-        )
     else:
-        why = f"{pth_path(here)} exists but the hook is not registered in this process (removed from sys.meta_path?)"
+        why = (
+            f"no site directory ({', '.join(sites)}) holds {PTH_NAME}: an editable install without `dist-sr "
+            "deepspeed-hook install`, or the file was removed"
+        )
     return False, f"{why}. Fix: {REGISTER_FIX}"
 
 

@@ -56,6 +56,7 @@ from ..optim.metrics import ChangedShare
 from ..rollout.vllm.check import EngineCheck, HeldWeightsMismatch, check_engine, require, verify_mode
 from ..sources import Meta, ReplicatedSource, add_rank_sums
 from .ray_engines import EngineUnreachable, collective_rpc
+from .startup import require_deepspeed_hooked
 
 log = logging.getLogger("dist_sr.openrlhf")
 SEED_ENV = "DIST_SR_SEED"
@@ -75,7 +76,9 @@ class OpenRLHFUnsupported(Refusal, RuntimeError):
 def enable(module=None) -> None:
     """Patch OpenRLHF's ``ActorPPOTrainer`` (in ``module``, default
     ``openrlhf.trainer.ray.ppo_actor``) as the module docstring says; idempotent. The start-up
-    hook calls it when that module is imported with ``DIST_SR_SEED`` set."""
+    hook calls it when that module is imported with ``DIST_SR_SEED`` set. Refused where DeepSpeed was
+    imported without that hook (``startup``): OpenRLHF's engines would round to nearest."""
+    require_deepspeed_hooked(f"{SEED_ENV} (OpenRLHF's start-up)")
     if module is None:
         import openrlhf.trainer.ray.ppo_actor as module
     cls = getattr(module, "ActorPPOTrainer", None)

@@ -47,6 +47,7 @@ from ..numerics.key import check_mode, normalize_param_name
 from ..numerics.shards import local_shard, replica_slot
 from ..optim.metrics import follow_sums, unfollowed_frac
 from ..weightsync.export import export_bf16
+from .startup import require_deepspeed_hooked
 
 log = logging.getLogger("dist_sr.trl")
 
@@ -148,7 +149,8 @@ def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
         raise RuntimeError(
             f"{dist_sr_deepspeed_hook.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; unset it to use SR"
         )
-    dist_sr_deepspeed_hook.register()  # deepspeed.initialize honours the block from now on
+    require_deepspeed_hooked("dist_sr.integrations.trl.enable(trainer)")  # imported unpatched: refused
+    dist_sr_deepspeed_hook.register()  # not imported yet: deepspeed.initialize honours the block once it is
     return seed
 
 

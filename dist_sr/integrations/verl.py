@@ -52,6 +52,7 @@ from ..engines.fsdp2.hook import SRShadowParam, master_dtensor
 from ..engines.fsdp2.source import FSDP2Source
 from ..numerics.key import check_mode, normalize_param_name
 from . import verl_sync
+from .startup import require_deepspeed_hooked
 
 log = logging.getLogger(__name__)
 MODE_ENV, SEED_ENV = "DIST_SR_MODE", "DIST_SR_SEED"
@@ -349,7 +350,9 @@ def enable() -> None:
     """Patch verl's FSDP2 engine (idempotent). verl's ``external_lib`` contract is an import, so
     importing this module calls it: ``EngineRegistry.new`` refuses an actor the key cannot round,
     ``KEYED_METHODS`` replace ``FSDPEngine``'s own (kept in ``_VERL``), and ``verl_sync`` checks
-    the engines after each weight sync."""
+    the engines after each weight sync. Refused in a process that imported DeepSpeed without
+    dist-sr's start-up hook (``startup``)."""
+    require_deepspeed_hooked("actor_rollout_ref.model.external_lib=dist_sr.integrations.verl")
     registry, engine_cls, _ = _targets()
     if getattr(engine_cls._build_fsdp_module, PATCHED, False):
         return

@@ -10,6 +10,8 @@ dist-sr diagnose CHECKPOINT --lr LR  does round-to-nearest stick on this checkpo
                                      predicted from the weights alone, streamed (7B-70B in minutes)
 dist-sr k8s --config EXP.yaml -o DIR  render Kubernetes manifests (see dist_sr/launch/k8s.py)
 dist-sr deepspeed-hook install       honour the DeepSpeed JSON's SR block in unmodified scripts
+dist-sr doctor                       would SR attach here (DeepSpeed, FSDP2, TRL, verl, OpenRLHF), and
+                                     if not, why: the start-up hook, the switch, versions, the launcher
 dist-sr snapshot materialize DIR OUT the newest weight version the snapshots in DIR prove (a dense
                                      base plus its deltas), as a checkpoint an engine serves
 """
@@ -25,7 +27,7 @@ from ..config import parse_overrides
 from ..numerics.key import normalize_param_name, stream_key
 from ..rl.compare import load_compare, run_comparison, write_report
 from ..weightsync.snapshot import materialize
-from . import k8s, planner
+from . import doctor, k8s, planner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_hook.add_argument("args", nargs=argparse.REMAINDER)
 
+    p_doc = sub.add_parser("doctor", help="would SR attach in this environment, and if not, why", add_help=False)
+    p_doc.add_argument("args", nargs=argparse.REMAINDER)
+
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["deepspeed-hook"]:
         return dist_sr_deepspeed_hook.main(argv[1:])
     if argv[:1] == ["k8s"]:
         return k8s.main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        return doctor.main(argv[1:])
     args = ap.parse_args(argv)
     if args.command == "train":
         if args.config_file and args.config and args.config_file != args.config:

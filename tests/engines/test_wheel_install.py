@@ -4,22 +4,20 @@ environment, and nothing else run. A job that calls plain ``deepspeed.initialize
 ``DIST_SR_SEED`` set then trains with keyed SR, never silently round-to-nearest.
 
 The fresh environment sees torch, DeepSpeed and transformers through a path entry to this
-suite's environment (installing them again would cost minutes and gigabytes); dist-sr itself
-comes only from the wheel: the test first shows it cannot be imported there."""
+suite's packages (``tests/installs.py``); dist-sr itself comes only from the wheel: the test
+first shows it cannot be imported there."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import REPO, free_port
+from tests.dist_utils import free_port
+from tests.installs import build_wheel, fresh_venv, pip
 
 pytest.importorskip("deepspeed")
 
@@ -54,41 +52,6 @@ json.dump({"attached": hasattr(engine, "dist_sr"), "keyed": keyed, "rtn": rtn, "
 """
 
 
-def _build_wheel(out: Path) -> Path:
-    """The wheel pip builds from a copy of the source tree (as from the sdist: no venvs, no runs)."""
-    src = out / "src"
-    shutil.copytree(
-        REPO,
-        src,
-        ignore=shutil.ignore_patterns(
-            ".venv*", ".git", "runs", "build", "dist", "*.egg-info", "__pycache__", ".*cache"
-        ),
-    )
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(out)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = out.glob("dist_sr-*.whl")
-    return wheel
-
-
-def _fresh_venv(path: Path) -> Path:
-    """A new virtual environment that sees this suite's packages (torch, DeepSpeed, ...) through a
-    plain path entry: .pth files there, dist-sr's editable finder and hook included, do not run."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
-    python = path / "bin" / "python"
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    Path(site, "suite_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
-
-
 def _run_job(python: Path, tmp: Path, label: str, env_extra: dict) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp / f"{label}.json"
     env = {
@@ -114,17 +77,11 @@ def _run_job(python: Path, tmp: Path, label: str, env_extra: dict) -> tuple[subp
 
 @pytest.mark.slow
 def test_pip_installing_the_wheel_alone_makes_DIST_SR_SEED_key_a_plain_deepspeed_job(tmp_path):
-    wheel = _build_wheel(tmp_path)
-    python = _fresh_venv(tmp_path / "fresh")
+    wheel = build_wheel(tmp_path)
+    python = fresh_venv(tmp_path / "fresh")
     absent = subprocess.run([str(python), "-c", "import dist_sr"], cwd=tmp_path, capture_output=True, text=True)
     assert absent.returncode != 0, "the fresh environment must not see the suite's editable dist-sr"
-    # pip itself, from this suite's environment, installing into the fresh one; no index: nothing fetched
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    pip(python, "install", str(wheel))  # pip itself, from this suite's environment, into the fresh one
     (tmp_path / "job.py").write_text(JOB)
 
     r, out = _run_job(python, tmp_path, "seed", {"DIST_SR_SEED": str(SEED)})
