@@ -282,3 +282,26 @@ def test_engines_rebuild_the_newest_snapshot_version_into_their_own_volume_befor
     assert {"name": "weights", "mountPath": "/weights"} in pod["containers"][0]["volumeMounts"]
     data = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == cfg.cluster.data_dir)
     assert data.get("readOnly")  # the snapshots are read, never written, by an engine
+
+
+def test_every_trainer_pod_reads_the_jobs_seed_from_the_mounted_config(tmp_path):
+    """The manifests carry the SR switch to every rank in the files every pod mounts (the
+    experiment's precision and the DeepSpeed JSON's block), not in a variable a launcher may drop;
+    every rank's plan keys with the config's seed, and no pod sets DIST_SR_SEED that could differ."""
+    from dist_sr.engines.deepspeed.config import split_config
+
+    files = _render(REPO / "configs" / "grpo-deepspeed-zero2.yaml", "cluster.nnodes=2", tmp_path=tmp_path / "out")
+    (container,) = _objects(files, "Job")[0]["spec"]["template"]["spec"]["containers"]
+    assert not [
+        e for e in container["env"] if e["name"].startswith("DIST_SR_") and e["name"] != "DIST_SR_SYNC_SECRET_FILE"
+    ]
+    mount = tmp_path / "etc"
+    mount.mkdir()
+    for name, text in _objects(files, "ConfigMap")[0]["data"].items():
+        (mount / name).write_text(text.replace(k8s.CONFIG_MOUNT, str(mount)))
+    _, block = split_config(mount / "deepspeed.json")
+    assert (block.seed, block.mode) == (1234, "stochastic")
+    args = build_parser().parse_args(["--config", str(mount / "experiment.yaml")])
+    for rank in range(2):
+        p = plan(args, env={"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0"}, cuda=False)
+        assert (p.engine, p.config.precision.precision, p.config.precision.seed) == ("deepspeed", "bf16-sr", 1234)
