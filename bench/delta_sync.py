@@ -17,7 +17,7 @@ synthetic Adam-sized steps on the 11.5M-parameter shapes of ``configs/large.yaml
 Dense bytes are the 16-bit bucket; the delta's are its wire form (``Delta.nbytes``), summed over
 the steps; beside them, the bytes of the peers' (index, value) delta syncs (vLLM's ``sparse_nccl``,
 verl's ``delta_sharded``: an int32 index and the 16-bit value per changed element, built by
-``dist_sr.weightsync.sparse``) on the same versions. Ends with one line per precision:
+``dist_sr.weightsync.trainer.sparse``) on the same versions. Ends with one line per precision:
 ``delta-sync: <precision>: dense <B> bytes, delta <B> bytes (1/<ratio>), encode <GB/s>, decode <GB/s>``
 (rates in GB of BF16 per second). Results go to bench/results/delta_sync.json.
 """
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_sr.numerics import delta  # noqa: E402
-from dist_sr.weightsync.sparse import SparseUnsupported, sparse_patch  # noqa: E402
+from dist_sr.weightsync.trainer.sparse import SparseUnsupported, sparse_patch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -4,7 +4,7 @@ host) against gloo and against one device copy of the same bytes, side by side i
     .venv/bin/python bench/ipc_sync.py [--mb 256] [--repeats 5]
 
 The trainer holds ``--mb`` MB of BF16 weights (on the GPU when there is one), a bare receiver
-process (``dist_sr.weightsync.receiver_cli``: receives and keeps, no model reload) on the same
+process (``dist_sr.weightsync.engine.cli``: receives and keeps, no model reload) on the same
 machine takes them; each row is the median of ``--repeats`` whole syncs (plan, control calls,
 every bucket; digests off, so the rows compare the transports), and its GB/s. ``device copy``
 is ``torch``'s copy of the same bytes within one process on the same device: the bound a
@@ -29,7 +29,7 @@ from bench.common import synchronize  # noqa: E402
 from dist_sr.rollout.vllm.control import controls  # noqa: E402
 from dist_sr.sources import ReplicatedSource  # noqa: E402
 from dist_sr.testing.vllm_engines import free_port, start_receiver  # noqa: E402
-from dist_sr.weightsync.sync import WeightSync  # noqa: E402
+from dist_sr.weightsync.trainer.sync import WeightSync  # noqa: E402
 
 
 def device_copy(n_bytes: int, device: torch.device, repeats: int) -> float:

@@ -30,12 +30,12 @@ sys.path.insert(0, str(REPO))
 
 from dist_sr.numerics.rounding import stochastic_round  # noqa: E402
 from dist_sr.sources import ReplicatedSource  # noqa: E402
-from dist_sr.weightsync.snapshot import Snapshots  # noqa: E402
+from dist_sr.weightsync.disk.snapshot import Snapshots  # noqa: E402
 
 _RUN = (
     "import sys, time\n"
     "from dist_sr.numerics.backends import cpu\n"
-    "from dist_sr.weightsync.snapshot import materialize\n"
+    "from dist_sr.weightsync.disk.materialize import materialize\n"
     "cpu.warm_up()\n"
     "t0 = time.perf_counter()\n"
     "m = materialize(sys.argv[1], sys.argv[2])\n"

@@ -303,6 +303,7 @@ def run_export(size: str, repeats: int) -> list[dict]:
 
     from dist_sr import rollout_weights
     from dist_sr.engines import fsdp2
+    from dist_sr.engines.fsdp2.hook import master_dtensor
     from dist_sr.net import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -313,7 +314,7 @@ def run_export(size: str, repeats: int) -> list[dict]:
         fully_shard(layer, mp_policy=fsdp2.MIXED_PRECISION)
     fully_shard(model, mp_policy=fsdp2.MIXED_PRECISION)
     ctx.step = 1
-    masters = [fsdp2.plain(p) for p in model.parameters()]
+    masters = [master_dtensor(p).to_local() for p in model.parameters()]  # the plain FP32 shards
     rtn_s, _ = measure(lambda: [m.to(torch.bfloat16) for m in masters], repeats)
 
     def export():
@@ -363,7 +364,7 @@ def run_sync(size: str, repeats: int, bucket_mb: float = 256.0) -> list[dict]:
     from dist_sr.sources import ReplicatedSource
     from dist_sr.testing.vllm_engines import free_port, start_receiver
     from dist_sr.weightsync import auth
-    from dist_sr.weightsync.sync import WeightSync
+    from dist_sr.weightsync.trainer.sync import WeightSync
 
     os.environ.setdefault(auth.ENV, auth.generate())
     tensors = bf16_tensors(size, device=DEVICE)
@@ -452,7 +453,8 @@ def run_snapshot(size: str, repeats: int) -> list[dict]:
 
     from dist_sr.sources import ReplicatedSource
     from dist_sr.weightsync import auth
-    from dist_sr.weightsync.snapshot import Snapshots, materialize
+    from dist_sr.weightsync.disk.materialize import materialize
+    from dist_sr.weightsync.disk.snapshot import Snapshots
 
     os.environ.setdefault(auth.ENV, auth.generate())
     tensors = bf16_tensors(size)

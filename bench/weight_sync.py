@@ -11,7 +11,7 @@ and 4 trainer processes (gloo), each holding the BF16 weights, the same run meas
 - broadcast (gather-then-broadcast) and shard-direct syncs through ``WeightSync``, by bucket size,
   without and with digest verification, to two targets: the vLLM engine (a sync includes the HTTP
   control calls, the receive and vLLM's ``load_weights`` with its layerwise reload), and a bare
-  receiver process (``dist_sr.weightsync.receiver_cli``: the same HTTP routes and receive path, keeping
+  receiver process (``dist_sr.weightsync.engine.cli``: the same HTTP routes and receive path, keeping
   the tensors instead of loading them), which isolates the transport.
 Ratios are sync bandwidth / raw bandwidth at the same bucket size. Then dense against delta
 syncs (``WeightSync(delta=True)``, grid-step deltas of ``numerics.delta``) to both targets: before
@@ -162,7 +162,7 @@ def _worker(rank, world, port, args, targets, out):
 def _weight_sync(source, url, transport, size, port, trainer_group, delta=False):
     """One trainer's WeightSync to one target, as every row measures it (300 s timeouts)."""
     from dist_sr.rollout.vllm.control import controls
-    from dist_sr.weightsync.sync import WeightSync
+    from dist_sr.weightsync.trainer.sync import WeightSync
 
     return WeightSync(
         source,
@@ -231,7 +231,7 @@ def main() -> int:
     engine = EngineProcess(model_dir, tp=1, log_dir=RESULTS, name="weight-sync-engine")
     receiver_port = free_port()
     receiver = subprocess.Popen(
-        [sys.executable, "-m", "dist_sr.weightsync.receiver_cli", "--port", str(receiver_port)],
+        [sys.executable, "-m", "dist_sr.weightsync.engine.cli", "--port", str(receiver_port)],
         cwd=Path(__file__).resolve().parents[1],
     )
     targets = {"vllm": engine.url, "receiver": f"http://127.0.0.1:{receiver_port}"}

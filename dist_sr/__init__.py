@@ -4,7 +4,7 @@ from .numerics import MODES, RoundingJob, normalize_param_name, round_jobs, stoc
 from .optim import AdamWSR, DynamicLossScaler, ShadowAdamW, ShadowOptimizer, StickingMeter
 from .precision import PRECISIONS, PrecisionConfig, PrecisionConfigError, TrainingPrecision, apply_precision
 from .replica import ReplicaChecker, ReplicaDivergenceError, check_replicas, weight_digests
-from .weightsync.export import export_bf16, rollout_shards, rollout_weights
+from .weightsync.trainer.export import export_bf16, rollout_shards, rollout_weights
 
 __version__ = "0.1.0"
 

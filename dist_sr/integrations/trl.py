@@ -46,7 +46,7 @@ from ..numerics import stochastic_round
 from ..numerics.key import check_mode, normalize_param_name
 from ..numerics.shards import local_shard, replica_slot
 from ..optim.metrics import follow_sums, unfollowed_frac
-from ..weightsync.export import export_bf16
+from ..weightsync.trainer.export import export_bf16
 from .startup import require_deepspeed_hooked
 
 log = logging.getLogger("dist_sr.trl")

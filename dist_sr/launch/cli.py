@@ -26,7 +26,7 @@ import dist_sr_deepspeed_hook
 from ..config import parse_overrides
 from ..numerics.key import normalize_param_name, stream_key
 from ..rl.compare import load_compare, run_comparison, write_report
-from ..weightsync.snapshot import materialize
+from ..weightsync.disk.materialize import materialize
 from . import doctor, k8s, planner
 
 

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ConfigError
-from .diagnose import GROUPS, Diagnosis, pct, group_of
+from .diagnose import GROUPS, Diagnosis, group_of, pct
 
 EXPONENTS = 256
 CHUNK_BYTES = 256 << 20  # of a tensor read at a time

@@ -121,12 +121,12 @@ def complete(
 
 
 def spawn_receiver(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """A bare weight receiver process (``dist_sr.weightsync.receiver_cli``) on loopback, just started:
-    the process and its base URL (``wait_healthy`` before use; the caller kills it)."""
+    """A bare weight receiver process (``dist_sr.weightsync.engine.cli``) on loopback, just started:
+    the process and its base URL (``wait_healthy`` before use; the caller kills it). With
+    ``--corrupt SPEC`` among ``extra``, the faulty one (``faulty_receiver``)."""
     port = port or free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dist_sr.weightsync.receiver_cli", "--port", str(port), *extra], cwd=REPO
-    )
+    module = "dist_sr.testing.faulty_receiver" if "--corrupt" in extra else "dist_sr.weightsync.engine.cli"
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *extra], cwd=REPO)
     return proc, f"http://127.0.0.1:{port}"
 
 

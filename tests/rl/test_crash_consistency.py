@@ -117,7 +117,7 @@ SYNC = """
 import sys, torch
 from dist_sr.rollout.vllm.control import controls
 from dist_sr.sources import ReplicatedSource
-from dist_sr.weightsync.sync import WeightSync
+from dist_sr.weightsync.trainer.sync import WeightSync
 url, port, version = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(version)
 model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(12)]).to(torch.bfloat16)  # 24 buckets

@@ -17,7 +17,7 @@ from dist_sr.rollout.vllm.control import VLLMControl, controls
 from dist_sr.sources import ReplicatedSource
 from dist_sr.testing.vllm_engines import REPO, EngineProcess, complete, free_port, save_tiny_model, vllm_missing
 from dist_sr.weightsync.control import NoReadyEngineError
-from dist_sr.weightsync.sync import WeightSync
+from dist_sr.weightsync.trainer.sync import WeightSync
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow
@@ -402,7 +402,8 @@ def test_an_engine_killed_mid_sync_is_dropped_then_catches_up_from_disk_and_rejo
     ws.sync(20)
     from transformers import AutoTokenizer
 
-    from dist_sr.weightsync.snapshot import Snapshots, materialize
+    from dist_sr.weightsync.disk.materialize import materialize
+    from dist_sr.weightsync.disk.snapshot import Snapshots
 
     snapshots = Snapshots(
         tmp_path / "snapshots", model.config, AutoTokenizer.from_pretrained(model_dir), bucket_mb=0.05, deltas=True

@@ -19,7 +19,7 @@ from dist_sr.sources import ReplicatedSource
 from dist_sr.testing.vllm_engines import REPO, free_port, start_receiver
 from dist_sr.weightsync import auth
 from dist_sr.weightsync.control import EngineError
-from dist_sr.weightsync.sync import WeightSync
+from dist_sr.weightsync.trainer.sync import WeightSync
 from dist_sr.weightsync.transport import open_store
 
 SECRET = os.environ["DIST_SR_SYNC_SECRET"].encode()  # tests/conftest.py: this session's
@@ -214,12 +214,10 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_change_nothing(receiver):
     assert r.ready == [url] and r.attempts == 1  # through the groups it had: no rebuild was needed
 
 
-@pytest.mark.parametrize("module", ["dist_sr.weightsync.receiver_cli", "dist_sr.weightsync.receiver"])
-def test_a_receiver_without_a_secret_does_not_start(receiver, module):
-    """Both commands: the receiver's own, and the older one (``python -m ...receiver``) that runs it."""
+def test_a_receiver_without_a_secret_does_not_start(receiver):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIST_SR_SYNC_SECRET")}
     p = subprocess.run(
-        [sys.executable, "-m", module, "--port", str(free_port())],
+        [sys.executable, "-m", "dist_sr.weightsync.engine.cli", "--port", str(free_port())],
         cwd=REPO,
         env=env,
         capture_output=True,

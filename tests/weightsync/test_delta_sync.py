@@ -13,7 +13,7 @@ from dist_sr.numerics.rounding import stochastic_round
 from dist_sr.rollout.vllm.control import controls
 from dist_sr.sources import ReplicatedSource
 from dist_sr.testing.vllm_engines import free_port, spawn_receiver, wait_healthy
-from dist_sr.weightsync.sync import WeightSync
+from dist_sr.weightsync.trainer.sync import WeightSync
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow

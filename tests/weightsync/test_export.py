@@ -24,7 +24,7 @@ def bits(t):
 def assert_announced(obj, exported: dict):
     """``rollout_metadata`` announces, without gathering, exactly what ``rollout_weights`` yields."""
     from dist_sr.numerics.digest import dtype_name
-    from dist_sr.weightsync.export import rollout_metadata
+    from dist_sr.weightsync.trainer.export import rollout_metadata
 
     assert [tuple(m) for m in rollout_metadata(obj)] == [
         (n, dtype_name(t.dtype), tuple(t.shape)) for n, t in exported.items()

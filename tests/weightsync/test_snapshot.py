@@ -17,15 +17,8 @@ from dist_sr.engines.checkpoints import verify_manifest, write_manifest
 from dist_sr.launch.cli import main
 from dist_sr.sources import ReplicatedSource, layout_free_digest
 from dist_sr.testing.vllm_engines import REPO, save_tiny_model
-from dist_sr.weightsync.snapshot import (
-    CHAIN,
-    OutputRefused,
-    SnapshotError,
-    Snapshots,
-    _versions,
-    materialize,
-    write_snapshot,
-)
+from dist_sr.weightsync.disk.materialize import OutputRefused, materialize
+from dist_sr.weightsync.disk.snapshot import CHAIN, SnapshotError, Snapshots, versions, write_snapshot
 
 
 def test_a_snapshot_reloads_bit_for_bit_and_current_moves_atomically(tmp_path):
@@ -48,7 +41,7 @@ def test_a_snapshot_reloads_bit_for_bit_and_current_moves_atomically(tmp_path):
 
 
 # ---- a dense base plus deltas --------------------------------------------------------------------
-def _sr_versions(model, versions, seed=7):
+def _srversions(model, versions, seed=7):
     """Keyed-SR steps of Adam size on ``model`` (BF16): yields (version, the bits of every tensor)."""
     from dist_sr.numerics.rounding import stochastic_round
 
@@ -80,7 +73,7 @@ def _write(tiny, root, versions, **options) -> dict:
     model, tok = tiny
     snaps = Snapshots(root, model.config, tok, bucket_mb=0.1, deltas=True, **options)
     states = {}
-    for v, bits in _sr_versions(model, versions):
+    for v, bits in _srversions(model, versions):
         snaps.write(ReplicatedSource(model), v)
         states[v] = bits
     return states
@@ -98,7 +91,7 @@ def test_a_restarted_engine_catches_up_from_a_base_and_deltas_on_disk_bit_for_bi
     monkeypatch.setenv("DIST_SR_SYNC_SECRET", "s" * 32)
     root = tmp_path / "snapshots"
     states = _write(tiny, root, range(6))
-    assert _versions(root, "v") == [0] and _versions(root / CHAIN, "v") == list(range(1, 6))
+    assert versions(root, "v") == [0] and versions(root / CHAIN, "v") == list(range(1, 6))
     base = sum(f.stat().st_size for f in (root / "v0").glob("*.safetensors"))
     for v in range(1, 6):  # SR moves ~1/4 of the weights one grid step: a delta is ~1/13 of the weights
         assert (root / CHAIN / f"v{v}" / "rank00000.bin").stat().st_size < base / 8
@@ -132,7 +125,7 @@ def test_a_damaged_delta_stops_the_catch_up_at_the_last_version_that_verifies(ti
 def test_a_damaged_base_falls_back_to_the_previous_base_and_its_chain(tiny, tmp_path):
     root = tmp_path / "snapshots"
     states = _write(tiny, root, range(9), base_every=3)
-    assert _versions(root, "v") == [3, 6] and _versions(root / CHAIN, "v") == [4, 5, 7, 8]  # pruned with v0
+    assert versions(root, "v") == [3, 6] and versions(root / CHAIN, "v") == [4, 5, 7, 8]  # pruned with v0
     assert materialize(root, tmp_path / "a").version == 8
     shard = sorted((root / "v6").glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
@@ -161,14 +154,14 @@ def test_fp32_working_weights_get_dense_snapshots_only(tmp_path):
     snaps = Snapshots(tmp_path / "s", deltas=True)
     for v in range(3):
         snaps.write(ReplicatedSource(model), v)
-    assert _versions(tmp_path / "s", "v") == [1, 2] and _versions(tmp_path / "s" / CHAIN, "v") == []
+    assert versions(tmp_path / "s", "v") == [1, 2] and versions(tmp_path / "s" / CHAIN, "v") == []
 
 
 def test_a_new_base_is_written_once_the_chain_outgrows_half_a_base(tiny, tmp_path):
     model, tok = tiny
     snaps = Snapshots(tmp_path / "s", bucket_mb=0.1, deltas=True, keep=3)
     bases = []
-    for v, _ in _sr_versions(model, range(16)):
+    for v, _ in _srversions(model, range(16)):
         snaps.write(ReplicatedSource(model), v)
         bases.append(snaps.base_version)
         assert snaps.chain_bytes <= snaps.base_bytes // 2 + snaps.base_bytes // 8  # at most one delta past half
@@ -181,7 +174,7 @@ def _two_rank_worker(rank, world, root):
     source = ReplicatedSource(model, rank, world)  # each rank holds one half of every tensor
     snaps = Snapshots(root, bucket_mb=0.01, deltas=True)
     states = {}
-    for v, bits in _sr_versions(model, range(4)):
+    for v, bits in _srversions(model, range(4)):
         snaps.write(source, v)
         states[v] = bits
     if rank == 0:
@@ -407,7 +400,7 @@ def test_a_renamed_or_copied_entry_is_refused_naming_its_signed_version_and_its_
 _MATERIALIZE = (
     "import sys\n"
     "from dist_sr.numerics.backends import cpu\n"
-    "from dist_sr.weightsync.snapshot import materialize\n"
+    "from dist_sr.weightsync.disk.materialize import materialize\n"
     "m = materialize(sys.argv[1], sys.argv[2])\n"
     "print(m.version, m.digest, cpu.loaded() is not None, cpu.loaded_delta() is not None)\n"
 )

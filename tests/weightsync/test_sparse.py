@@ -12,7 +12,7 @@ from dist_sr.numerics.digest import combine, tensor_sums
 from dist_sr.numerics.rounding import stochastic_round
 from dist_sr.sources import ReplicatedSource
 from dist_sr.testing.vllm_engines import REPO, VLLM_PYTHON, vllm_missing
-from dist_sr.weightsync.sparse import SparseExport, SparseUnsupported, differing, sparse_patch, to_vllm
+from dist_sr.weightsync.trainer.sparse import SparseExport, SparseUnsupported, differing, sparse_patch, to_vllm
 
 # 16-bit codes at the awkward places (+-0, subnormals, the largest finite, +-Inf, NaN payloads,
 # exponent boundaries), and what each becomes: -0 <-> +0, subnormal steps, Inf <-> largest finite,
@@ -207,7 +207,7 @@ def _importable(name: str) -> bool:
 def test_to_vllm_gives_vllms_own_sparse_patches():
     code = (
         "import torch\n"
-        "from dist_sr.weightsync.sparse import sparse_patch, to_vllm\n"
+        "from dist_sr.weightsync.trainer.sparse import sparse_patch, to_vllm\n"
         "from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch\n"
         "a = torch.ones(6, dtype=torch.bfloat16); b = a.clone(); b[2] = 2\n"
         "(v,) = to_vllm([sparse_patch('w', a, b, (2, 3))])\n"

@@ -12,8 +12,9 @@ from dist_sr.config import ConfigError
 from dist_sr.rollout.vllm.config import FleetConfig
 from dist_sr.sources import ReplicatedSource
 from dist_sr.weightsync import auth
-from dist_sr.weightsync.receiver import InitInfo, WeightReceiver
-from dist_sr.weightsync.sync import WeightSync
+from dist_sr.weightsync.engine.receiver import InitInfo, WeightReceiver
+from dist_sr.weightsync.trainer.groups import choose_backend
+from dist_sr.weightsync.trainer.sync import WeightSync
 from dist_sr.weightsync.transport import Channel, Packer, transfer_group
 
 SECRET = b"k" * 32
@@ -50,14 +51,14 @@ def test_the_backend_is_signed_and_checked_with_the_other_fields():
 
 def test_auto_picks_gloo_for_weights_in_host_memory():
     ws = WeightSync(ReplicatedSource(torch.nn.Linear(4, 4)), [], secret=SECRET)
-    assert ws.backend == "auto" and ws._backend() == "gloo"
-    assert WeightSync(ReplicatedSource(torch.nn.Linear(4, 4)), [], secret=SECRET, backend="nccl")._backend() == "nccl"
+    assert ws.backend == "auto" and choose_backend(ws.backend, ws.source) == "gloo"
+    assert choose_backend("nccl", ws.source) == "nccl"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_auto_picks_nccl_for_weights_on_a_gpu_and_buckets_are_staged_there():
     ws = WeightSync(ReplicatedSource(torch.nn.Linear(4, 4).cuda()), [], secret=SECRET)
-    assert ws._backend() == "nccl"
+    assert choose_backend(ws.backend, ws.source) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device())
     buf = Packer().pack([torch.ones(3, device=device), torch.zeros(2, device=device)], 20, Channel(None, device))
     assert buf.device == device and buf.numel() == 20

@@ -1,6 +1,6 @@
 """The control plane of a ``vllm serve`` engine: its weight-transfer routes over HTTP (vLLM's dev
-mode, ``VLLM_SERVER_DEV_MODE=1``), for ``weightsync.sync.WeightSync``. The bare receiver
-(``weightsync.receiver_server``) serves the same routes.
+mode, ``VLLM_SERVER_DEV_MODE=1``), for ``weightsync.trainer.sync.WeightSync``. The bare receiver
+(``weightsync.engine.server``) serves the same routes.
 
 Every control request is signed with the job's sync secret, and so are the transfer payloads
 (``init_info``, the plan), which the loading worker checks itself (``weightsync.auth``)."""

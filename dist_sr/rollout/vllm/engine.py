@@ -21,8 +21,8 @@ import torch
 from ...config import ConfigError
 from ...weightsync import auth
 from ...weightsync.control import TIMEOUT_S, EngineError, NoReadyEngineError
-from ...weightsync.snapshot import Snapshots
-from ...weightsync.sync import WeightSync
+from ...weightsync.disk.snapshot import Snapshots
+from ...weightsync.trainer.sync import WeightSync
 from ..base import Rollouts, encode_prompts
 from .control import controls, http
 

@@ -56,7 +56,7 @@ from typing import Any, Iterator
 from ...numerics.digest import combine, dtype_name, piece_sum
 from ...weightsync import auth
 from ...weightsync.control import EngineError, MalformedReply
-from ...weightsync.export import rollout_metadata, rollout_weights
+from ...weightsync.trainer.export import rollout_metadata, rollout_weights
 from .check import answered_by_every_worker
 from .control import http, worker_count
 

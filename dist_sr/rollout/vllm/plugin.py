@@ -32,7 +32,7 @@ import inspect
 import logging
 from dataclasses import dataclass
 
-from ...weightsync.receiver import InitInfo, WeightReceiver
+from ...weightsync.engine.receiver import InitInfo, WeightReceiver
 
 log = logging.getLogger(__name__)
 BACKEND = "dist_sr"

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from .control import ControlPlane, EngineError, MalformedReply
+from ..control import ControlPlane, EngineError, MalformedReply
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
-"""Fault injection for the bare receiver (tests): a receiver that holds, and reports, bits other
-than the ones the trainer sent, so the trainer's digest checks can be exercised without vLLM.
+"""A faulty bare receiver for the tests: it holds, and reports, bits other than the ones the
+trainer sent, so the trainer's digest checks can be exercised without vLLM.
+
+    python -m dist_sr.testing.faulty_receiver --port P --corrupt NAME
 
 ``NAME`` flips one bit of tensor ``NAME`` (its first element) each time it loads;
 ``delta:NAME`` flips one bit inside the first delta received for ``NAME`` (once).
@@ -8,6 +10,9 @@ than the ones the trainer sent, so the trainer's digest checks can be exercised 
 from __future__ import annotations
 
 import torch
+
+from ..weightsync.engine import cli
+from ..weightsync.engine.receiver import WeightReceiver
 
 
 class BitFlip:
@@ -34,3 +39,34 @@ def flip_one_bit(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t.reshape(-1)[:1].view(torch.uint8)[0] ^= 1
     return t
+
+
+class FaultyReceiver(WeightReceiver):
+    """A ``WeightReceiver`` that applies the ``BitFlip`` ``spec``."""
+
+    def __init__(self, spec: str, **kwargs):
+        super().__init__(**kwargs)
+        self.fault = BitFlip(spec)
+
+    def loaded(self, tensors):
+        return self.fault.loaded(tensors)
+
+    def delta_received(self, name, buf, at):
+        self.fault.delta_received(name, buf, at)
+
+
+def main() -> None:
+    ap = cli.parser()
+    ap.add_argument(
+        "--corrupt",
+        metavar="NAME",
+        required=True,
+        help="flip one bit of tensor NAME as it is loaded, so this receiver holds and reports wrong bits; "
+        "delta:NAME flips one bit of the first delta received for NAME",
+    )
+    args = ap.parse_args()
+    cli.run(args, lambda **kwargs: FaultyReceiver(args.corrupt, **kwargs))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,11 +26,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..numerics import live, stochastic_round
-from ..numerics.digest import dtype_name
-from ..numerics.key import normalize_param_name
-from ..numerics.shards import split_range
-from ..sources import LocalPiece, Meta, ReplicatedSource
+from ...numerics import live, stochastic_round
+from ...numerics.digest import dtype_name
+from ...numerics.key import normalize_param_name
+from ...numerics.shards import split_range
+from ...sources import LocalPiece, Meta, ReplicatedSource
 
 
 def export_bf16(name: str, tensor: torch.Tensor, *, key: live.KeyOwner | None = None, offset: int = 0) -> torch.Tensor:
@@ -41,7 +41,7 @@ def export_bf16(name: str, tensor: torch.Tensor, *, key: live.KeyOwner | None = 
     (an FSDP2 ``SRContext``, a DeepSpeed ``engine.dist_sr``); by default the one live SR model
     that has a parameter of this name.
     """
-    from ..engines.fsdp2.hook import plain  # the FP32 behind an SR-wrapped parameter
+    from ...engines.fsdp2.hook import plain  # the FP32 behind an SR-wrapped parameter
 
     if hasattr(tensor, "device_mesh"):
         raise TypeError(
@@ -104,8 +104,8 @@ def _rank_world() -> tuple[int, int]:
 def _fsdp2_source(module: nn.Module, root):
     from torch.distributed.tensor import DTensor
 
-    from ..engines.fsdp2.hook import SRShadowParam
-    from ..engines.fsdp2.source import FSDP2Source
+    from ...engines.fsdp2.hook import SRShadowParam
+    from ...engines.fsdp2.source import FSDP2Source
 
     ctx = None
     for p in module.parameters():
@@ -135,7 +135,7 @@ def rollout_weights(obj) -> Iterator[tuple[str, torch.Tensor]]:
         for name in params:
             yield name, source.full(name, params)
         return
-    from ..engines.fsdp2.hook import SRShadowParam
+    from ...engines.fsdp2.hook import SRShadowParam
 
     for name, p in module.named_parameters():
         if getattr(p, "ds_id", None) is not None:
@@ -166,7 +166,7 @@ def rollout_metadata(obj) -> list[Meta]:
     root = _fsdp2_root(obj)
     if root is not None:
         return [Meta(*m) for m in _fsdp2_source(obj, root).metadata()]
-    from ..engines.fsdp2.hook import SRShadowParam
+    from ...engines.fsdp2.hook import SRShadowParam
 
     def dtype(p) -> str:  # a keyed FP32 master is exported as its BF16 rounding
         return "bfloat16" if isinstance(p, SRShadowParam) else dtype_name(p.dtype)
@@ -194,7 +194,7 @@ def rollout_shards(obj) -> Iterator[LocalPiece]:
     rank, world = _rank_world()
     if _is_deepspeed(obj):
         if obj.zero_optimization_stage() == 3:
-            from ..engines.deepspeed.source import ZeRO3Source
+            from ...engines.deepspeed.source import ZeRO3Source
 
             source = ZeRO3Source(obj.module, rank, world)
         else:

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import collectives
-from ..config import Refusal
-from ..numerics.digest import combine, piece_sums, tensor_sums
-from ..sources import add_rank_sums
+from ... import collectives
+from ...config import Refusal
+from ...numerics.digest import combine, piece_sums, tensor_sums
+from ...sources import add_rank_sums
 
 INDEX_LIMIT = 2**31  # the peers' indices are int32
 

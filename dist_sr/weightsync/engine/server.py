@@ -1,7 +1,7 @@
 """The bare receiver's HTTP server: the same routes as a vLLM engine in dev mode, backed by one
 ``WeightReceiver`` that only receives (and keeps) the tensors, no model. A real receiving process
 for measuring the transport without vLLM's reload cost (bench/weight_sync.py), and the engine
-the fleet tests run against; ``receiver_cli`` starts it.
+the fleet tests run against; ``engine.cli`` starts it.
 
 Every request but ``/health`` needs the job's sync secret (``weightsync.auth``: 401 otherwise);
 bodies are capped at ``auth.MAX_BODY_BYTES`` and a client gets ``request_timeout_s`` to send one.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ..numerics.digest import tensor_sums
-from . import auth
+from ...numerics.digest import tensor_sums
+from .. import auth
 from .receiver import InitInfo, WeightReceiver
 
 
@@ -119,19 +119,19 @@ def held_answer(tensors: dict) -> dict:
 def serve(
     port: int,
     host: str = "127.0.0.1",
-    corrupt: str | None = None,
     *,
+    receiver: WeightReceiver | None = None,
     secret: bytes | None = None,
     max_bytes: int | None = None,
     request_timeout_s: float = 30.0,
 ) -> ThreadingHTTPServer:
-    """A bare receiver on ``host:port``, not serving yet (``serve_forever``); ``corrupt``: a
-    ``receiver_faults.BitFlip`` spec."""
+    """A bare receiver on ``host:port``, not serving yet (``serve_forever``): ``receiver``, or a
+    ``WeightReceiver`` with ``secret`` and ``max_bytes``."""
     handler = type(
         "Handler",
         (_Handler,),
         {
-            "receiver": WeightReceiver(corrupt, secret=secret, max_bytes=max_bytes),
+            "receiver": receiver if receiver is not None else WeightReceiver(secret=secret, max_bytes=max_bytes),
             "tensors": {},
             "timeout": request_timeout_s,
         },

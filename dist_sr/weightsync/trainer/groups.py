@@ -5,9 +5,9 @@ anew whenever the members change (an engine dropped, one back). Rank 0 asks each
 
 from __future__ import annotations
 
-from ..sources import WeightSource
+from ...sources import WeightSource
+from ..transport import open_store, transfer_group
 from .fleet import Failure, Fleet
-from .transport import open_store, transfer_group
 
 
 def choose_backend(configured: str, source: WeightSource) -> str:

@@ -33,16 +33,16 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from .. import collectives
-from ..numerics.digest import combine
-from ..sources import WeightSource, add_rank_sums, layout_free_digest
-from . import auth
-from .control import GROUP_PORT, TIMEOUT_S, ControlPlane, NoReadyEngineError
+from ... import collectives
+from ...numerics.digest import combine
+from ...sources import WeightSource, add_rank_sums, layout_free_digest
+from .. import auth
+from ..control import GROUP_PORT, TIMEOUT_S, ControlPlane, NoReadyEngineError
+from ..plan import Span, SyncPlan, TensorPlan, make_buckets
+from ..transport import BACKENDS
 from .fleet import Failure, Fleet, Member, State
-from .groups import TransferGroups, choose_backend
-from .plan import Span, SyncPlan, TensorPlan, make_buckets
+from .groups import TransferGroups
 from .transfer import Attempt, EngineUpdates, Sender
-from .transport import BACKENDS
 from .verify import changed_engines, verify_engines
 
 
@@ -104,7 +104,7 @@ class WeightSync:
         self.last: SyncResult | None = None
         self.delta = delta
         if delta:
-            from ..numerics import warm_up_kernels_in_background
+            from ...numerics import warm_up_kernels_in_background
 
             warm_up_kernels_in_background()  # the delta codec's kernel, built once per environment
         self.sender = Sender(source, transport=transport, rank=self.rank, senders=self.senders, delta=delta)
@@ -125,10 +125,6 @@ class WeightSync:
     def all_ok(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every trainer rank (collective)."""
         return collectives.all_true(ok, self.trainer_group)
-
-    def _backend(self) -> str:
-        """The transfer groups' backend (``groups.choose_backend``)."""
-        return choose_backend(self.backend, self.source)
 
     # ---- the plan -------------------------------------------------------------------------
     def plan(self, version: int, delta_base: int | None = None) -> SyncPlan:

@@ -1,11 +1,10 @@
 """The receiving half of the dist-sr weight transfer, shared by the vLLM backend and a bare
-receiver server (``receiver_server``, started by ``python -m dist_sr.weightsync.receiver_cli``).
+receiver server (``engine.server``, started by ``python -m dist_sr.weightsync.engine.cli``).
 
 ``WeightReceiver`` joins the groups of one generation, receives a plan's buckets (the next bucket
 arriving while the current one loads), hands full HF-named tensors to a load function, and keeps
-the report the trainer verifies. ``corrupt`` makes it a faulty engine (``receiver_faults``: one
-flipped bit in a named tensor, or in its first delta), so the trainer's digest check can be
-exercised without vLLM.
+the report the trainer verifies. (The tests' faulty engine is a subclass of it,
+``dist_sr.testing.faulty_receiver``.)
 
 A plan with ``keep`` makes the receiver keep what it loads (the tensors handed to ``load``, a
 host copy of the 16-bit weights: for a vLLM engine, host memory the size of its weights); a plan
@@ -28,14 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import delta as delta_codec
-from ..numerics import warm_up_kernels_in_background
-from ..numerics.digest import DTYPES, tensor_sums
-from . import auth
-from .control import MAX_TIMEOUT_S, TIMEOUT_S
-from .plan import SyncPlan
-from .receiver_faults import BitFlip
-from .transport import BACKENDS, cuda_device, open_store, receive_buckets, transfer_group
+from ...numerics import delta as delta_codec
+from ...numerics import warm_up_kernels_in_background
+from ...numerics.digest import DTYPES, tensor_sums
+from .. import auth
+from ..control import MAX_TIMEOUT_S, TIMEOUT_S
+from ..plan import SyncPlan
+from ..transport import BACKENDS, cuda_device, open_store, receive_buckets, transfer_group
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class WeightReceiver:
     """``secret``: the job's sync secret (default: this process's, ``auth.load``); ``max_bytes``:
     the most a plan may carry (an engine: about its model's size)."""
 
-    def __init__(self, corrupt: str | None = None, *, secret: bytes | None = None, max_bytes: int | None = None):
+    def __init__(self, *, secret: bytes | None = None, max_bytes: int | None = None):
         self.verifier = auth.Verifier(secret if secret is not None else auth.load())
         self.max_bytes = max_bytes
         # digests of received (CPU) buckets take the C++ pass once it is loaded (built in the
@@ -99,7 +97,6 @@ class WeightReceiver:
         self.rank: int | None = None
         self.received: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self.state = {"version": None, "digests": {}, "complete": False}
-        self.fault = BitFlip(corrupt) if corrupt is not None else None  # fault injection (tests)
         self.held: dict[str, torch.Tensor] = {}  # flat tensors of the last complete sync (plan.keep)
         self.held_version: int | None = None
         # Who the trainer verified: a restart gets a new boot id, and every accepted control event
@@ -187,8 +184,7 @@ class WeightReceiver:
                     refused = refused or f"{exc}"
                 if refused:
                     continue
-            if self.fault is not None:
-                tensors = self.fault.loaded(tensors)
+            tensors = self.loaded(tensors)
             if plan.keep and base is None:
                 self.held.update((n, t.reshape(-1)) for n, t in tensors)
             if plan.digest:
@@ -204,6 +200,13 @@ class WeightReceiver:
         if plan.keep:
             self.held_version = plan.version
 
+    def loaded(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """A bucket's tensors just before they are kept, digested and loaded (as they arrived)."""
+        return tensors
+
+    def delta_received(self, name: str, buf: torch.Tensor, at: int) -> None:
+        """A delta for ``name`` in ``buf`` (uint8) whose payload starts at ``at``, before it is read."""
+
     def _apply(self, bucket, buffers) -> list[tuple[str, torch.Tensor]]:
         """A delta bucket applied to the kept tensors; the updated tensors, full shape."""
         buffers = {src: b.cpu() for src, b in buffers.items()}  # the kept copy is in host memory
@@ -218,8 +221,7 @@ class WeightReceiver:
                 )
             for p in t.spans:
                 buf = buffers[p.src]
-                if self.fault is not None:
-                    self.fault.delta_received(t.name, buf, cursor[p.src] + delta_codec.HEADER_BYTES)
+                self.delta_received(t.name, buf, cursor[p.src] + delta_codec.HEADER_BYTES)
                 d, cursor[p.src] = delta_codec.read_delta(buf, cursor[p.src])
                 delta_codec.apply_(held[p.start : p.end], d)
             out.append((t.name, held.view(t.shape)))
@@ -248,11 +250,3 @@ class WeightReceiver:
             except Exception:  # a group whose peers are gone cannot shut down cleanly
                 pass
         self.groups, self.store = {}, None
-
-
-if __name__ == "__main__":
-    # the bare receiver's command before it had a module of its own: run by name, so that this
-    # module imports nothing built on it
-    import runpy
-
-    runpy.run_module("dist_sr.weightsync.receiver_cli", run_name="__main__")

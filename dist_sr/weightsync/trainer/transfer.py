@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import faults
-from ..numerics import delta as delta_codec
-from ..numerics.digest import piece_sums
-from ..sources import WeightSource
-from .control import ControlPlane
+from ... import faults
+from ...numerics import delta as delta_codec
+from ...numerics.digest import piece_sums
+from ...sources import WeightSource
+from ..control import ControlPlane
+from ..plan import SyncPlan
+from ..transport import Packer, broadcast, send_sized
 from .fleet import Failure, Fleet
-from .plan import SyncPlan
-from .transport import Packer, broadcast, send_sized
 
 
 @dataclass
