@@ -199,6 +199,7 @@ def report() -> tuple[bool, list[str]]:
         f"dist-sr {version()} from {Path(__file__).parents[1]}",
         f"start-up hook: {'in force' if hook_ok else 'NOT in force'}: {hook_why}",
     ]
+    verl = verl_finding(hook_ok)  # before this process imports deepspeed (verl's workers need not)
     switch_ok, words = switch()
     lines.append(f"switch: {words}")
     fine = switch_ok
@@ -207,7 +208,7 @@ def report() -> tuple[bool, list[str]]:
         lines.append(f"multi-node: {forwarded[1]}")
         fine = fine and forwarded[0]
     ds = deepspeed_finding()
-    findings = [ds, fsdp2_finding(), trl_finding(ds), verl_finding(hook_ok), openrlhf_finding(ds)]
+    findings = [ds, fsdp2_finding(), trl_finding(ds), verl, openrlhf_finding(ds)]
     lines += [f.line() for f in findings]
     fine = fine and all(f.attaches is not False for f in findings)
     gets = [f.name for f in findings if f.attaches]
