@@ -1,30 +1,347 @@
-"""What the integrations' own plug points (verl's ``external_lib``, OpenRLHF's start-up, TRL's
-``enable``) check before they turn SR on: that DeepSpeed, if this process imported it, was imported
-through dist-sr's start-up hook. An unpatched ``deepspeed.initialize`` builds engines that round
-to nearest, and where the hook did not run here it did not run in the job's other processes
-started the same way either."""
+"""dist-sr's start-up hook: the switches a job sets in its environment or config work in code
+that never imports dist-sr (``deepspeed.initialize`` in OpenRLHF, transformers' Trainer, a user's
+own script; verl's workers).
+
+The wheel ships ``dist_sr_deepspeed_hook.pth`` (``setup.py``), so ``pip install dist-sr`` alone
+turns it on; ``dist-sr deepspeed-hook install`` writes the same file where a wheel did not (an
+editable install). Python runs its one line at start-up, which imports this module. It imports
+nothing heavy: it registers an import finder that acts only when one of ``WATCHED`` is imported:
+
+- ``deepspeed``: ``deepspeed.initialize`` becomes ``dist_sr.engines.deepspeed.hooked_initialize``,
+  which passes every call that asks for no SR through untouched, and otherwise attaches keyed SR
+  (the config's ``"stochastic_rounding"`` block, or ``DIST_SR_SEED``) or fails loudly (an
+  untested DeepSpeed version, no bf16).
+- ``verl.workers.engine.fsdp.transformer_impl`` with ``DIST_SR_SEED`` set: ``dist_sr.integrations.verl``
+  patches verl's FSDP2 engine, as ``actor_rollout_ref.model.external_lib`` would.
+- ``openrlhf.trainer.ray.ppo_actor`` with ``DIST_SR_SEED`` set: ``dist_sr.integrations.openrlhf.enable()``
+  makes OpenRLHF's trainer check every rollout engine after each weight sync and log dist-sr's metrics.
+
+- ``deepspeed.launcher.runner`` (the ``deepspeed`` command): the job's SR switch (``FORWARDED``)
+  joins the variables its multi-node runners (pdsh, OpenMPI, MVAPICH, SLURM, ...) export to every
+  node, which are otherwise only ``EXPORT_ENVS``' prefixes and ``.deepspeed_env``.
+
+The finder asks every other finder on ``sys.meta_path`` for the module (``PathFinder``, and also
+setuptools' editable-install finders, a zipimporter's path hooks, ...), and wraps whichever
+answers. ``diagnose()`` says whether the hook is in force in this process, and if not, why.
+
+``DIST_SR_DEEPSPEED_HOOK=0`` turns the hook off for one process: then a job that still asks for SR
+(``DIST_SR_SEED``, an enabled block) is refused at ``deepspeed.initialize``, never trained
+round-to-nearest. ``dist-sr deepspeed-hook uninstall`` removes the file; ``status`` says whether
+it is installed and active.
+"""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import os
 import sys
 
-import dist_sr_deepspeed_hook as hook
+ENV = "DIST_SR_DEEPSPEED_HOOK"
+SEED_ENV = "DIST_SR_SEED"  # dist_sr.engines.deepspeed.config.SEED_ENV, without importing dist_sr at start-up
+# What the deepspeed launcher exports to every node (as prefixes of EXPORT_ENVS): the switch and
+# how every rank checks it. Never a secret (DIST_SR_SYNC_SECRET): exports travel on the command line.
+FORWARDED = ("DIST_SR_SEED", "DIST_SR_MODE", "DIST_SR_DEEPSPEED_HOOK", "DIST_SR_VERIFY", "DIST_SR_AGREE_TIMEOUT")
+PTH_NAME = "dist_sr_deepspeed_hook.pth"
+# the .pth line: a missing dist-sr (uninstalled without removing the file) must not break start-up
+PTH_LINE = (
+    "import os, sys; exec('try:\\n import dist_sr_deepspeed_hook as h\\nexcept ImportError:\\n h = None\\n"
+    "if h is not None: h.register()')\n"
+)
 
-from ..config import Refusal
+
+def _patch_deepspeed(module) -> None:
+    from dist_sr.engines.deepspeed.hook import hooked_initialize
+
+    if not getattr(module.initialize, "__dist_sr_hook__", False):
+        module.initialize = hooked_initialize(module.initialize)
 
 
-class DeepSpeedUnpatched(Refusal, RuntimeError):
-    what = "DeepSpeed imported without dist-sr's hook"
+def _guard_deepspeed(module) -> None:
+    """The hook is off: a call that still asks for SR is refused instead of trained round-to-nearest.
+    Imports dist-sr only when ``deepspeed.initialize`` is called (the off switch is also the way
+    around a broken dist-sr install): without it, only ``DIST_SR_SEED`` can be seen."""
+    import functools
 
-
-def require_deepspeed_hooked(asked_by: str) -> None:
-    """Refuse when ``deepspeed`` is imported in this process and its ``initialize`` is not
-    dist-sr's; ``asked_by`` names what asks for SR (the plug point)."""
-    if "deepspeed" not in sys.modules or hook.active():
+    original = module.initialize
+    if getattr(original, "__dist_sr_hook__", False) or getattr(original, "__dist_sr_guard__", False):
         return
-    _, why = hook.diagnose()
-    raise DeepSpeedUnpatched(
-        f"{asked_by} asks for keyed SR, but deepspeed was imported in this process without dist-sr's start-up "
-        f"hook: deepspeed.initialize is DeepSpeed's own, so a DeepSpeed engine built here would train "
-        f"round-to-nearest. The hook: {why}. `dist-sr doctor` says the same for this environment"
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        try:
+            from dist_sr.engines.deepspeed.hook import take_sr_block
+        except ImportError:
+            asked = f"{SEED_ENV}={os.environ[SEED_ENV]!r}" if os.environ.get(SEED_ENV, "").strip() else None
+        else:
+            sr, _, _ = take_sr_block(args, kwargs)
+            asked = None if sr is None else f"seed {sr.seed}, mode {sr.mode}"
+        if asked is not None:
+            raise RuntimeError(
+                f"dist-sr: this job asks for keyed stochastic rounding ({asked}: the DeepSpeed config's "
+                f'"stochastic_rounding" block or {SEED_ENV}), but {ENV}={os.environ.get(ENV)!r} turns '
+                f"dist-sr's hook off in this process, so DeepSpeed would train round-to-nearest. Unset "
+                f"{ENV}, or drop the block and {SEED_ENV} to train without SR"
+            )
+        result = original(*args, **kwargs)
+        try:  # still one of the job's ranks: the others learn this one has the hook off
+            from dist_sr.engines.deepspeed.agree import agree
+        except ImportError:
+            return result
+        agree(None, hook=f"off ({ENV}={os.environ.get(ENV)!r})")
+        return result
+
+    initialize.__dist_sr_guard__ = True  # type: ignore[attr-defined]
+    module.initialize = initialize
+
+
+def _enable_verl(module) -> None:
+    if os.environ.get(SEED_ENV, "").strip():
+        import dist_sr.integrations.verl  # noqa: F401  (patches verl's FSDPEngine at import)
+
+
+def _enable_openrlhf(module) -> None:
+    if os.environ.get(SEED_ENV, "").strip():
+        from dist_sr.integrations import openrlhf
+
+        openrlhf.enable(module)
+
+
+def _forward_switch(module) -> None:
+    """``deepspeed.launcher.runner``: its multi-node runners export ``FORWARDED`` to every node (off
+    too: a node must see the switch the user set, to refuse it there)."""
+    exports = module.EXPORT_ENVS
+    exports.extend(name for name in FORWARDED if name not in exports)
+
+
+# module -> what runs right after it is imported (hook on); the guard's table (hook off)
+WATCHED = {
+    "deepspeed": _patch_deepspeed,
+    "deepspeed.launcher.runner": _forward_switch,
+    "verl.workers.engine.fsdp.transformer_impl": _enable_verl,
+    "openrlhf.trainer.ray.ppo_actor": _enable_openrlhf,
+}
+GUARDED = {"deepspeed": _guard_deepspeed, "deepspeed.launcher.runner": _forward_switch}
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, plus ``after`` once the module has run."""
+
+    def __init__(self, inner, after):
+        self.inner, self.after = inner, after
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        try:
+            self.after(module)
+        except ImportError as exc:
+            if not (exc.name or "").startswith("dist_sr"):
+                raise
+            # a broken dist-sr install must say so, not leave SR configs to round-to-nearest
+            raise ImportError(
+                f"dist-sr's start-up hook ({PTH_NAME}) could not import dist_sr while {module.__name__} "
+                f"was imported: {exc!r}. Repair the dist-sr install, or remove the hook (`dist-sr "
+                f"deepspeed-hook uninstall`; {ENV}=0 for one process)"
+            ) from exc
+
+    def __getattr__(self, name):  # resource readers etc. come from the real loader
+        return getattr(self.inner, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds a watched module the way the import system would without it: the first other
+    finder on ``sys.meta_path`` that answers (``PathFinder``, setuptools' editable-install
+    finders, ...), whose loader it wraps."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        self._finding: set = set()  # names being looked up here: another finder may ask again
+
+    def find_spec(self, name, path=None, target=None):
+        after = self.table.get(name)
+        if after is None or name in self._finding:
+            return None
+        self._finding.add(name)
+        try:
+            spec = _spec_from_others(name, path, target)
+        finally:
+            self._finding.discard(name)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, after)
+        return spec
+
+
+def served_by(name: str) -> str | None:
+    """Which finder on ``sys.meta_path`` (this hook's aside) finds module ``name``, or None."""
+    for finder in list(sys.meta_path):
+        if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
+            continue
+        if finder.find_spec(name, None, None) is not None:
+            kind = finder if isinstance(finder, type) else type(finder)
+            builtin = kind.__module__.startswith("_frozen_importlib")
+            return kind.__qualname__ if builtin else f"{kind.__module__}.{kind.__qualname__}"
+    return None
+
+
+def _spec_from_others(name, path, target):
+    for finder in list(sys.meta_path):
+        if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+def register() -> None:
+    """Install the finder (idempotent); modules already imported are patched now. With the hook
+    off, only the guard (a DeepSpeed call asking for SR is refused)."""
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    table = WATCHED if enabled() else GUARDED
+    for name, after in table.items():
+        if name in sys.modules:
+            after(sys.modules[name])
+    sys.meta_path.insert(0, _Finder(table))
+
+
+def patch_loaded() -> None:
+    """Patch an already imported ``deepspeed`` (the hook's job when it was registered too late)."""
+    _patch_deepspeed(sys.modules["deepspeed"])
+
+
+def site_dir() -> str:
+    """This environment's site-packages (where pip puts pure-Python packages)."""
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
+
+
+def pth_path(directory: str | None = None) -> str:
+    return os.path.join(directory or site_dir(), PTH_NAME)
+
+
+def install(directory: str | None = None) -> str:
+    """Write the .pth (atomically); returns its path."""
+    path = pth_path(directory)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(PTH_LINE)
+    os.replace(tmp, path)
+    return path
+
+
+def uninstall(directory: str | None = None) -> str | None:
+    """Remove the .pth; returns its path, or None if it was not there."""
+    path = pth_path(directory)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return None
+    return path
+
+
+def active() -> bool:
+    """Whether ``deepspeed.initialize`` is, or will be when imported, dist-sr's in this process."""
+    ds = sys.modules.get("deepspeed")
+    if ds is not None:
+        return bool(getattr(getattr(ds, "initialize", None), "__dist_sr_hook__", False))
+    return any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path)
+
+
+REGISTER_FIX = (
+    "install dist-sr with pip into the environment's own site-packages (`pip install dist-sr`, not --target), "
+    "or register the hook before anything imports deepspeed: `import dist_sr_deepspeed_hook; "
+    "dist_sr_deepspeed_hook.register()` as the script's first lines (Ray: runtime_env "
+    '{"worker_process_setup_hook": "dist_sr_deepspeed_hook.register"})'
+)
+
+
+def diagnose() -> tuple[bool, str]:
+    """``(in force, why)``: whether the hook is in force in this process, and in words where its
+    ``.pth`` is, or why Python did not run it (with the fix). Stdlib only."""
+    if not enabled():
+        return False, f"turned off: {ENV}={os.environ.get(ENV)!r} (unset it to turn the hook on)"
+    ds = sys.modules.get("deepspeed")
+    hooked = any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if hooked and ds is not None and not active():
+        return False, (
+            "registered after deepspeed was imported: deepspeed.initialize is DeepSpeed's own; register the "
+            "hook before anything imports deepspeed (or let the .pth do it: pip install dist-sr)"
+        )
+    if hooked or active():
+        found = [d for d in _site_dirs() if os.path.exists(pth_path(d))]
+        where = f"{pth_path(found[0])}, processed at start-up" if found else "registered by the program itself"
+        return True, where
+    sites = _site_dirs()
+    in_site = [d for d in sites if os.path.exists(pth_path(d))]
+    if sys.flags.no_site:
+        why = "python -S: the site module is off, so no .pth file runs (dist-sr's hook included)"
+    elif not os.path.isdir(here):  # an archive on sys.path: dist_sr_deepspeed_hook.py inside a zip
+        why = f"dist-sr is imported from the archive {here} (a zipapp): Python never runs .pth files from archives"
+    elif in_site:
+        why = (
+            f"{pth_path(in_site[0])} ran at start-up, but the hook is not registered in this process any more "
+            "(its finder was taken off sys.meta_path)"
+        )
+    elif os.path.exists(pth_path(here)):
+        on_path = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+        via = "through PYTHONPATH" if os.path.realpath(here) in on_path else "put on sys.path at run time"
+        why = (
+            f"dist-sr is imported from {here}, {via}, which is not a site directory: Python runs .pth files only "
+            "in site directories (pip install --target, Ray py_modules and working_dir install like this)"
+        )
+    else:
+        why = (
+            f"no site directory ({', '.join(sites)}) holds {PTH_NAME}: an editable install without `dist-sr "
+            "deepspeed-hook install`, or the file was removed"
+        )
+    return False, f"{why}. Fix: {REGISTER_FIX}"
+
+
+def _site_dirs() -> list[str]:
+    import site
+
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE and site.USER_SITE:
+        dirs.append(site.USER_SITE)
+    return dirs
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="dist-sr deepspeed-hook", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("action", choices=["install", "uninstall", "status"])
+    ap.add_argument("--site-dir", help="directory for the .pth (default: this environment's site-packages)")
+    a = ap.parse_args(argv)
+    path = pth_path(a.site_dir)
+    if a.action == "install":
+        print(
+            f"installed {install(a.site_dir)}: scripts that call deepspeed.initialize now honour the config's "
+            f'"stochastic_rounding" block and {SEED_ENV} ({ENV}=0 turns it off for one process)'
+        )
+    elif a.action == "uninstall":
+        print(f"removed {path}" if uninstall(a.site_dir) else f"not installed ({path} does not exist)")
+    else:
+        there = os.path.exists(path)
+        active = any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path) or getattr(
+            getattr(sys.modules.get("deepspeed"), "initialize", None), "__dist_sr_hook__", False
+        )
+        print(
+            f"{path}: {'installed' if there else 'not installed'}; in this process: "
+            f"{'active' if active else 'inactive'}{'' if enabled() else f' ({ENV} disables it)'}"
+        )
+        return 0 if there else 1
+    return 0

@@ -35,7 +35,7 @@ import yaml
 
 from ..config import ConfigError, parse_overrides
 from ..engines import engine_class
-from ..registry import resolve
+from ..registry import Registry
 from ..rl.config import ExperimentConfig, load_experiment, to_dict
 from ..rollout import rollout_engine_class
 from ..weightsync import auth
@@ -94,17 +94,29 @@ class FleetManifests:
     files: dict[str, list[dict]]
 
 
+# rollout engine (by its rollout.engine name) -> the function that renders its pods,
+# ``function(cfg) -> FleetManifests``; an engine that runs inside the trainer needs none
+FLEET_RENDERERS: Registry = Registry("Kubernetes renderer of a rollout engine")
+FLEET_RENDERERS.register("vllm", "dist_sr.launch.k8s_vllm:fleet_manifests")
+
+
+def register_fleet_renderer(engine: str, renderer) -> None:
+    """How the Kubernetes render makes the pods of rollout engine ``engine`` (a function, or
+    ``"module:function"`` imported when first asked for)."""
+    FLEET_RENDERERS.register(engine, renderer)
+
+
 def fleet(cfg: ExperimentConfig) -> FleetManifests | None:
     """The rollout engine's own manifests, or None for an engine that runs inside the trainer."""
-    engine = rollout_engine_class(cfg.rollout.engine)
-    if engine.kubernetes is None:
-        if engine.remote:
-            raise ConfigError(
-                f"rollout.engine={cfg.rollout.engine!r} runs as processes of its own but has no Kubernetes "
-                "renderer (its class's kubernetes attribute); render its pods yourself, or pick another engine"
-            )
+    name = cfg.rollout.engine
+    if not rollout_engine_class(name).remote:
         return None
-    return resolve(engine.kubernetes)(cfg)
+    if name not in FLEET_RENDERERS:
+        raise ConfigError(
+            f"rollout.engine={name!r} runs as processes of its own but has no Kubernetes renderer: register one "
+            "with dist_sr.launch.k8s.register_fleet_renderer, render its pods yourself, or pick another engine"
+        )
+    return FLEET_RENDERERS[name](cfg)
 
 
 def trainer_ports(cfg: ExperimentConfig) -> list[tuple[str, int]]:

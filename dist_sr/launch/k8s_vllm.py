@@ -103,7 +103,7 @@ def vllm_statefulset(cfg: ExperimentConfig) -> dict:
 
 
 def fleet_manifests(cfg: ExperimentConfig) -> FleetManifests:
-    """``VLLMFleetEngine.kubernetes``: the fleet's Service and StatefulSet, its config as the pods
+    """``launch.k8s.FLEET_RENDERERS["vllm"]``: the fleet's Service and StatefulSet, its config as the pods
     see it, and the trainer's port for the weight-transfer group's store."""
     nm, f = names(cfg), cfg.rollout.vllm
     return FleetManifests(

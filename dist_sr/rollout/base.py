@@ -42,8 +42,6 @@ class RolloutEngine(Protocol):
     name):
         remote: whether it runs in processes (or pods) of its own that the trainer syncs weights
             to over the network: the job then needs the sync secret.
-        kubernetes: for a remote engine, ``"module:function"`` building its manifests
-            (``function(cfg) -> launch.k8s.FleetManifests``); None when it runs in the trainer.
 
     Class methods:
         build(config, trainer, tokenizer, device, sharded): the engine for the ``rollout``
@@ -65,7 +63,6 @@ class RolloutEngine(Protocol):
     """
 
     remote: bool
-    kubernetes: str | None
 
     @classmethod
     def build(cls, config, trainer, tokenizer, *, device, sharded: bool) -> RolloutEngine: ...

@@ -15,7 +15,6 @@ class EmbeddedEngine:
     """
 
     remote = False  # it is the trainer's own model
-    kubernetes = None
 
     @classmethod
     def build(cls, config, trainer, tokenizer, *, device, sharded: bool) -> EmbeddedEngine:

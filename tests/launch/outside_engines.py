@@ -30,7 +30,6 @@ class SidecarRollout(EmbeddedEngine):
     """A rollout engine that runs as pods of its own: its own Kubernetes renderer."""
 
     remote = True
-    kubernetes = "tests.launch.outside_engines:sidecar_manifests"
 
     @classmethod
     def preflight(cls, config) -> None:

@@ -11,6 +11,7 @@ import yaml
 from dist_sr.config import ConfigError
 from dist_sr.engines import engine_names, register_engine
 from dist_sr.launch import k8s
+from dist_sr.launch.k8s import register_fleet_renderer
 from dist_sr.launch.planner import build_parser, plan
 from dist_sr.rl.config import load_experiment
 from dist_sr.rl.preflight import check_secrets
@@ -22,6 +23,7 @@ TRAIN, ROLLOUT = "paired", "sidecar"
 if TRAIN not in engine_names():
     register_engine(TRAIN, "tests.launch.outside_engines:PairedEngine")
     register_rollout_engine(ROLLOUT, "tests.launch.outside_engines:SidecarRollout")
+    register_fleet_renderer(ROLLOUT, "tests.launch.outside_engines:sidecar_manifests")
 SETS = [f"distributed.engine={TRAIN}", f"rollout.engine={ROLLOUT}"]
 
 

@@ -49,7 +49,6 @@ class VLLMFleetEngine:
     processes or pods, reached over HTTP and fed the trainer's bits over the weight-transfer group."""
 
     remote = True
-    kubernetes = "dist_sr.launch.k8s_vllm:fleet_manifests"
 
     @classmethod
     def preflight(cls, config) -> None:
