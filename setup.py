@@ -9,7 +9,7 @@ The wheel also ships ``dist_sr_deepspeed_hook.pth`` at the
 top of site-packages, so ``pip install dist-sr`` alone (a Ray ``runtime_env``, a container image,
 a node set up by hand) makes ``DIST_SR_SEED`` and the DeepSpeed JSON's ``"stochastic_rounding"``
 block work in a job that calls plain ``deepspeed.initialize``. Its one line is
-``dist_sr_deepspeed_hook.PTH_LINE`` (stdlib only; it imports nothing heavy at start-up).
+``dist_sr.startup_check.PTH_LINE`` (stdlib only; it imports nothing heavy at start-up).
 Editable installs get the file from ``dist-sr deepspeed-hook install`` (``scripts/setup.sh``)."""
 
 import importlib.util
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _hook_module():
     spec = importlib.util.spec_from_file_location(
-        "_dist_sr_hook_for_build", os.path.join(HERE, "dist_sr_deepspeed_hook.py")
+        "_dist_sr_hook_for_build", os.path.join(HERE, "dist_sr", "startup_check.py")
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,36 +1,39 @@
-"""dist-sr: keyed stochastic rounding of FP32 shadow weights to BF16 for distributed training."""
+"""dist-sr: keyed stochastic rounding of FP32 shadow weights to BF16 for distributed training.
 
-from .numerics import MODES, RoundingJob, normalize_param_name, round_jobs, stochastic_round, stream_key
-from .optim import AdamWSR, DynamicLossScaler, ShadowAdamW, ShadowOptimizer, StickingMeter
-from .precision import PRECISIONS, PrecisionConfig, PrecisionConfigError, TrainingPrecision, apply_precision
-from .replica import ReplicaChecker, ReplicaDivergenceError, check_replicas, weight_digests
-from .weightsync.trainer.export import export_bf16, rollout_shards, rollout_weights
+The public names are imported when first used (PEP 562), so importing ``dist_sr`` itself (as the
+start-up hook does in every Python process of an environment where dist-sr is installed) loads
+neither torch nor anything else heavy."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MODES",
-    "PRECISIONS",
-    "AdamWSR",
-    "DynamicLossScaler",
-    "PrecisionConfig",
-    "PrecisionConfigError",
-    "ReplicaChecker",
-    "ReplicaDivergenceError",
-    "RoundingJob",
-    "ShadowAdamW",
-    "ShadowOptimizer",
-    "StickingMeter",
-    "TrainingPrecision",
-    "apply_precision",
-    "check_replicas",
-    "export_bf16",
-    "normalize_param_name",
-    "rollout_shards",
-    "rollout_weights",
-    "round_jobs",
-    "stochastic_round",
-    "stream_key",
-    "weight_digests",
-    "__version__",
-]
+_WHERE = {  # public name -> the module that defines it
+    **dict.fromkeys(
+        ("MODES", "RoundingJob", "normalize_param_name", "round_jobs", "stochastic_round", "stream_key"), ".numerics"
+    ),
+    **dict.fromkeys(("AdamWSR", "DynamicLossScaler", "ShadowAdamW", "ShadowOptimizer", "StickingMeter"), ".optim"),
+    **dict.fromkeys(
+        ("PRECISIONS", "PrecisionConfig", "PrecisionConfigError", "TrainingPrecision", "apply_precision"), ".precision"
+    ),
+    **dict.fromkeys(("ReplicaChecker", "ReplicaDivergenceError", "check_replicas", "weight_digests"), ".replica"),
+    **dict.fromkeys(("export_bf16", "rollout_shards", "rollout_weights"), ".weightsync.trainer.export"),
+}
+
+__all__ = [*sorted(_WHERE), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'dist_sr' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -75,7 +75,7 @@ setup_openrlhf() {
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   "${pip[@]}" install --no-deps -e .
-  $v/bin/python -c "import dist_sr_deepspeed_hook as h; h.main(['install'])" >/dev/null  # the switch's other half
+  $v/bin/python -c "from dist_sr.integrations import startup; startup.main(['install'])" >/dev/null  # the switch's other half
 }
 
 engine_tests=(tests/rollout/test_vllm_fleet.py tests/rollout/test_vllm_held_weights.py tests/rollout/test_vllm_auth.py)

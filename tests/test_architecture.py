@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "dist_sr"
 # The rooms, bottom to top: a room may import its own and lower rooms only.
 LAYERS = [
-    ("config", "net", "faults", "secret", "registry", "collectives"),
+    ("config", "net", "faults", "secret", "registry", "collectives", "patching", "startup_check"),
     ("numerics",),
     ("optim", "replica", "sources", "cluster"),
     ("precision",),
@@ -236,3 +236,32 @@ THEIRS = {"_devices": "torch's ProcessGroupGloo options"}
 
 def test_no_module_reaches_into_another_modules_private_attributes():
     assert [f for f in private_attributes() if f.split(" reaches ")[1].split(" of ")[0] not in THEIRS] == []
+
+
+def test_what_the_wheel_ships_beside_the_package_only_forwards_to_it():
+    """The wheel ships ``dist_sr/`` and, at the top of site-packages, the modules pyproject's
+    ``py-modules`` names (the name the start-up ``.pth`` imports): each only forwards to the
+    package, and nothing in the package imports them back (no arrow runs up out of the rooms)."""
+    import tomllib
+
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert shipped == ["dist_sr_deepspeed_hook"]
+    for name in shipped:
+        path = ROOT / f"{name}.py"
+        found = imports(name, path)
+        assert found == [("dist_sr.integrations.startup", ["register"])], found
+        everything = [t for t, _ in imports(name, path, top=name)]
+        assert everything == [], everything
+        for mod, mod_path in modules().items():
+            assert not any(t == name for t, _ in imports(mod, mod_path, top=name)), f"{mod} imports {name}"
+
+
+def test_the_start_up_hook_loads_nothing_heavy():
+    """Every Python process of an environment with dist-sr installed runs the hook's ``.pth`` line:
+    importing it (and so ``dist_sr``) must not load torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, dist_sr_deepspeed_hook; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

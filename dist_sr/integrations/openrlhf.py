@@ -48,6 +48,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .. import patching
 from ..config import Refusal
 from ..engines.deepspeed import ZeRO3Source
 from ..numerics.digest import dtype_name, piece_sums
@@ -55,15 +56,14 @@ from ..numerics.key import MASK64, normalize_param_name
 from ..optim.metrics import ChangedShare
 from ..rollout.vllm.check import EngineCheck, HeldWeightsMismatch, check_engine, require, verify_mode
 from ..sources import Meta, ReplicatedSource, add_rank_sums
+from .plug_points import require_deepspeed_hooked
 from .ray_engines import EngineUnreachable, collective_rpc
-from .startup import require_deepspeed_hooked
 
 log = logging.getLogger("dist_sr.openrlhf")
 SEED_ENV = "DIST_SR_SEED"
 RPC = "dist_sr_held_weights"
 TIMEOUT_S = 300.0  # for every engine to answer one check
 STATE = "_dist_sr"  # the TrainerSR beside an ActorPPOTrainer
-PATCHED = "__dist_sr__"
 NEEDED = ("__init__", "broadcast_to_vllm", "ppo_train")
 
 
@@ -77,7 +77,7 @@ def enable(module=None) -> None:
     """Patch OpenRLHF's ``ActorPPOTrainer`` (in ``module``, default
     ``openrlhf.trainer.ray.ppo_actor``) as the module docstring says; idempotent. The start-up
     hook calls it when that module is imported with ``DIST_SR_SEED`` set. Refused where DeepSpeed was
-    imported without that hook (``startup``): OpenRLHF's engines would round to nearest."""
+    imported without that hook (``plug_points``): OpenRLHF's engines would round to nearest."""
     require_deepspeed_hooked(f"{SEED_ENV} (OpenRLHF's start-up)")
     if module is None:
         import openrlhf.trainer.ray.ppo_actor as module
@@ -88,12 +88,10 @@ def enable(module=None) -> None:
             f"{SEED_ENV} is set, but this OpenRLHF's {module.__name__} lacks {', '.join(missing)} (dist-sr is "
             f"written for OpenRLHF 0.11); install OpenRLHF 0.11.x, or unset {SEED_ENV} to train without SR"
         )
-    if getattr(cls.broadcast_to_vllm, PATCHED, False):
+    if patching.patched(cls.broadcast_to_vllm):
         return
-    for name, patch in (("__init__", _init), ("broadcast_to_vllm", _broadcast_to_vllm), ("ppo_train", _ppo_train)):
-        wrapped = functools.wraps(getattr(cls, name))(patch(getattr(cls, name)))
-        setattr(wrapped, PATCHED, True)
-        setattr(cls, name, wrapped)
+    for name, wrap in (("__init__", _init), ("broadcast_to_vllm", _broadcast_to_vllm), ("ppo_train", _ppo_train)):
+        patching.patch(cls, name, functools.wraps(getattr(cls, name))(wrap(getattr(cls, name))), by=__name__)
     log.info("dist-sr: OpenRLHF's ActorPPOTrainer checks every rollout engine after each weight sync")
 
 

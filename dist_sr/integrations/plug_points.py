@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import sys
 
-import dist_sr_deepspeed_hook as hook
-
+from .. import startup_check as hook
 from ..config import Refusal
 
 

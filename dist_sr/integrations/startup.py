@@ -4,8 +4,10 @@ own script; verl's workers).
 
 The wheel ships ``dist_sr_deepspeed_hook.pth`` (``setup.py``), so ``pip install dist-sr`` alone
 turns it on; ``dist-sr deepspeed-hook install`` writes the same file where a wheel did not (an
-editable install). Python runs its one line at start-up, which imports this module. It imports
-nothing heavy: it registers an import finder that acts only when one of ``WATCHED`` is imported:
+editable install). Python runs its one line at start-up, which imports the root shim
+``dist_sr_deepspeed_hook`` (the name old ``.pth`` files name), which registers this module's
+import finder; importing ``dist_sr`` loads nothing heavy (its public names are lazy). The finder
+acts only when one of ``WATCHED`` is imported:
 
 - ``deepspeed``: ``deepspeed.initialize`` becomes ``dist_sr.engines.deepspeed.hooked_initialize``,
   which passes every call that asks for no SR through untouched, and otherwise attaches keyed SR
@@ -22,7 +24,8 @@ nothing heavy: it registers an import finder that acts only when one of ``WATCHE
 
 The finder asks every other finder on ``sys.meta_path`` for the module (``PathFinder``, and also
 setuptools' editable-install finders, a zipimporter's path hooks, ...), and wraps whichever
-answers. ``diagnose()`` says whether the hook is in force in this process, and if not, why.
+answers, and every patch goes through ``dist_sr.patching``. ``startup_check.diagnose()`` says
+whether the hook is in force in this process, and if not, why.
 
 ``DIST_SR_DEEPSPEED_HOOK=0`` turns the hook off for one process: then a job that still asks for SR
 (``DIST_SR_SEED``, an enabled block) is refused at ``deepspeed.initialize``, never trained
@@ -37,24 +40,15 @@ import importlib.machinery
 import os
 import sys
 
-ENV = "DIST_SR_DEEPSPEED_HOOK"
-SEED_ENV = "DIST_SR_SEED"  # dist_sr.engines.deepspeed.config.SEED_ENV, without importing dist_sr at start-up
-# What the deepspeed launcher exports to every node (as prefixes of EXPORT_ENVS): the switch and
-# how every rank checks it. Never a secret (DIST_SR_SYNC_SECRET): exports travel on the command line.
-FORWARDED = ("DIST_SR_SEED", "DIST_SR_MODE", "DIST_SR_DEEPSPEED_HOOK", "DIST_SR_VERIFY", "DIST_SR_AGREE_TIMEOUT")
-PTH_NAME = "dist_sr_deepspeed_hook.pth"
-# the .pth line: a missing dist-sr (uninstalled without removing the file) must not break start-up
-PTH_LINE = (
-    "import os, sys; exec('try:\\n import dist_sr_deepspeed_hook as h\\nexcept ImportError:\\n h = None\\n"
-    "if h is not None: h.register()')\n"
-)
+from .. import patching
+from ..startup_check import ENV, FORWARDED, PTH_LINE, PTH_NAME, SEED_ENV, active, enabled, pth_path
 
 
 def _patch_deepspeed(module) -> None:
-    from dist_sr.engines.deepspeed.hook import hooked_initialize
+    from ..engines.deepspeed.hook import hooked_initialize
 
     if not getattr(module.initialize, "__dist_sr_hook__", False):
-        module.initialize = hooked_initialize(module.initialize)
+        patching.patch(module, "initialize", hooked_initialize(module.initialize), by=__name__, tag="hook")
 
 
 def _guard_deepspeed(module) -> None:
@@ -70,7 +64,7 @@ def _guard_deepspeed(module) -> None:
     @functools.wraps(original)
     def initialize(*args, **kwargs):
         try:
-            from dist_sr.engines.deepspeed.hook import take_sr_block
+            from ..engines.deepspeed.hook import take_sr_block
         except ImportError:
             asked = f"{SEED_ENV}={os.environ[SEED_ENV]!r}" if os.environ.get(SEED_ENV, "").strip() else None
         else:
@@ -85,24 +79,24 @@ def _guard_deepspeed(module) -> None:
             )
         result = original(*args, **kwargs)
         try:  # still one of the job's ranks: the others learn this one has the hook off
-            from dist_sr.engines.deepspeed.agree import agree
+            from ..engines.deepspeed.agree import agree
         except ImportError:
             return result
         agree(None, hook=f"off ({ENV}={os.environ.get(ENV)!r})")
         return result
 
     initialize.__dist_sr_guard__ = True  # type: ignore[attr-defined]
-    module.initialize = initialize
+    patching.patch(module, "initialize", initialize, by=__name__, tag="guard")
 
 
 def _enable_verl(module) -> None:
     if os.environ.get(SEED_ENV, "").strip():
-        import dist_sr.integrations.verl  # noqa: F401  (patches verl's FSDPEngine at import)
+        from . import verl  # noqa: F401  (patches verl's FSDPEngine at import)
 
 
 def _enable_openrlhf(module) -> None:
     if os.environ.get(SEED_ENV, "").strip():
-        from dist_sr.integrations import openrlhf
+        from . import openrlhf
 
         openrlhf.enable(module)
 
@@ -158,6 +152,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def __init__(self, table: dict):
         self.table = table
+        self.dist_sr_table = "watched" if table is WATCHED else "guarded"  # what startup_check reads
         self._finding: set = set()  # names being looked up here: another finder may ask again
 
     def find_spec(self, name, path=None, target=None):
@@ -175,18 +170,6 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def served_by(name: str) -> str | None:
-    """Which finder on ``sys.meta_path`` (this hook's aside) finds module ``name``, or None."""
-    for finder in list(sys.meta_path):
-        if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
-            continue
-        if finder.find_spec(name, None, None) is not None:
-            kind = finder if isinstance(finder, type) else type(finder)
-            builtin = kind.__module__.startswith("_frozen_importlib")
-            return kind.__qualname__ if builtin else f"{kind.__module__}.{kind.__qualname__}"
-    return None
-
-
 def _spec_from_others(name, path, target):
     for finder in list(sys.meta_path):
         if isinstance(finder, _Finder) or not hasattr(finder, "find_spec"):
@@ -195,10 +178,6 @@ def _spec_from_others(name, path, target):
         if spec is not None:
             return spec
     return None
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
 
 
 def register() -> None:
@@ -216,17 +195,6 @@ def register() -> None:
 def patch_loaded() -> None:
     """Patch an already imported ``deepspeed`` (the hook's job when it was registered too late)."""
     _patch_deepspeed(sys.modules["deepspeed"])
-
-
-def site_dir() -> str:
-    """This environment's site-packages (where pip puts pure-Python packages)."""
-    import sysconfig
-
-    return sysconfig.get_paths()["purelib"]
-
-
-def pth_path(directory: str | None = None) -> str:
-    return os.path.join(directory or site_dir(), PTH_NAME)
 
 
 def install(directory: str | None = None) -> str:
@@ -249,74 +217,6 @@ def uninstall(directory: str | None = None) -> str | None:
     return path
 
 
-def active() -> bool:
-    """Whether ``deepspeed.initialize`` is, or will be when imported, dist-sr's in this process."""
-    ds = sys.modules.get("deepspeed")
-    if ds is not None:
-        return bool(getattr(getattr(ds, "initialize", None), "__dist_sr_hook__", False))
-    return any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path)
-
-
-REGISTER_FIX = (
-    "install dist-sr with pip into the environment's own site-packages (`pip install dist-sr`, not --target), "
-    "or register the hook before anything imports deepspeed: `import dist_sr_deepspeed_hook; "
-    "dist_sr_deepspeed_hook.register()` as the script's first lines (Ray: runtime_env "
-    '{"worker_process_setup_hook": "dist_sr_deepspeed_hook.register"})'
-)
-
-
-def diagnose() -> tuple[bool, str]:
-    """``(in force, why)``: whether the hook is in force in this process, and in words where its
-    ``.pth`` is, or why Python did not run it (with the fix). Stdlib only."""
-    if not enabled():
-        return False, f"turned off: {ENV}={os.environ.get(ENV)!r} (unset it to turn the hook on)"
-    ds = sys.modules.get("deepspeed")
-    hooked = any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path)
-    here = os.path.dirname(os.path.abspath(__file__))
-    if hooked and ds is not None and not active():
-        return False, (
-            "registered after deepspeed was imported: deepspeed.initialize is DeepSpeed's own; register the "
-            "hook before anything imports deepspeed (or let the .pth do it: pip install dist-sr)"
-        )
-    if hooked or active():
-        found = [d for d in _site_dirs() if os.path.exists(pth_path(d))]
-        where = f"{pth_path(found[0])}, processed at start-up" if found else "registered by the program itself"
-        return True, where
-    sites = _site_dirs()
-    in_site = [d for d in sites if os.path.exists(pth_path(d))]
-    if sys.flags.no_site:
-        why = "python -S: the site module is off, so no .pth file runs (dist-sr's hook included)"
-    elif not os.path.isdir(here):  # an archive on sys.path: dist_sr_deepspeed_hook.py inside a zip
-        why = f"dist-sr is imported from the archive {here} (a zipapp): Python never runs .pth files from archives"
-    elif in_site:
-        why = (
-            f"{pth_path(in_site[0])} ran at start-up, but the hook is not registered in this process any more "
-            "(its finder was taken off sys.meta_path)"
-        )
-    elif os.path.exists(pth_path(here)):
-        on_path = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-        via = "through PYTHONPATH" if os.path.realpath(here) in on_path else "put on sys.path at run time"
-        why = (
-            f"dist-sr is imported from {here}, {via}, which is not a site directory: Python runs .pth files only "
-            "in site directories (pip install --target, Ray py_modules and working_dir install like this)"
-        )
-    else:
-        why = (
-            f"no site directory ({', '.join(sites)}) holds {PTH_NAME}: an editable install without `dist-sr "
-            "deepspeed-hook install`, or the file was removed"
-        )
-    return False, f"{why}. Fix: {REGISTER_FIX}"
-
-
-def _site_dirs() -> list[str]:
-    import site
-
-    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    if site.ENABLE_USER_SITE and site.USER_SITE:
-        dirs.append(site.USER_SITE)
-    return dirs
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -336,12 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed {path}" if uninstall(a.site_dir) else f"not installed ({path} does not exist)")
     else:
         there = os.path.exists(path)
-        active = any(isinstance(f, _Finder) and f.table is WATCHED for f in sys.meta_path) or getattr(
-            getattr(sys.modules.get("deepspeed"), "initialize", None), "__dist_sr_hook__", False
-        )
         print(
             f"{path}: {'installed' if there else 'not installed'}; in this process: "
-            f"{'active' if active else 'inactive'}{'' if enabled() else f' ({ENV} disables it)'}"
+            f"{'active' if active() else 'inactive'}{'' if enabled() else f' ({ENV} disables it)'}"
         )
         return 0 if there else 1
     return 0

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from .. import patching
 from ..engines.deepspeed.config import CONFIG_KEY
 from ..engines.fsdp2.hook import MIXED_PRECISION, SRShadowParam, plain, prepare
 from ..engines.fsdp2.source import reshard_all
@@ -47,7 +48,7 @@ from ..numerics.key import check_mode, normalize_param_name
 from ..numerics.shards import local_shard, replica_slot
 from ..optim.metrics import follow_sums, unfollowed_frac
 from ..weightsync.trainer.export import export_bf16
-from .startup import require_deepspeed_hooked
+from .plug_points import require_deepspeed_hooked
 
 log = logging.getLogger("dist_sr.trl")
 
@@ -117,7 +118,7 @@ def prepare_fsdp2(model, plugin, *, seed: int, mode: str = "stochastic"):
 
 
 def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
-    import dist_sr_deepspeed_hook
+    from . import startup
 
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     block = config.get(CONFIG_KEY)
@@ -145,12 +146,10 @@ def _deepspeed_block(accelerator, seed: int | None, mode: str) -> int:
         block.setdefault("seed", seed)
         block.setdefault("mode", mode)
         seed = int(block["seed"])
-    if not dist_sr_deepspeed_hook.enabled():
-        raise RuntimeError(
-            f"{dist_sr_deepspeed_hook.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; unset it to use SR"
-        )
+    if not startup.enabled():
+        raise RuntimeError(f"{startup.ENV}=0 turns dist-sr's DeepSpeed hook off in this process; unset it to use SR")
     require_deepspeed_hooked("dist_sr.integrations.trl.enable(trainer)")  # imported unpatched: refused
-    dist_sr_deepspeed_hook.register()  # not imported yet: deepspeed.initialize honours the block once it is
+    startup.register()  # not imported yet: deepspeed.initialize honours the block once it is
     return seed
 
 
@@ -314,8 +313,6 @@ def route_vllm_exports(accelerator, callback: DistSRCallback) -> None:
     except ImportError:  # a TRL without this class: nothing to route
         return
     original = VLLMGeneration._iter_named_params
-    if getattr(original, "__dist_sr__", False):
-        return
 
     def _iter_named_params(self):
         callback = _ENABLED.get(self.accelerator)
@@ -325,8 +322,7 @@ def route_vllm_exports(accelerator, callback: DistSRCallback) -> None:
         for name, tensor in original(self):
             yield name, export_bf16(name, tensor, key=callback.ctx)
 
-    _iter_named_params.__dist_sr__ = True
-    VLLMGeneration._iter_named_params = _iter_named_params
+    patching.patch(VLLMGeneration, "_iter_named_params", _iter_named_params, by=__name__)
     _route_async_grpo()
 
 
@@ -339,8 +335,6 @@ def _route_async_grpo() -> None:
     except ImportError:  # a TRL without the experimental trainer
         return
     original = AsyncGRPOTrainer._streaming_iter
-    if getattr(original, "__dist_sr__", False):
-        return
 
     def _streaming_iter(self):
         callback = _ENABLED.get(self.accelerator)
@@ -351,8 +345,7 @@ def _route_async_grpo() -> None:
         for name, full in original(self):
             yield name, export_bf16(name, full, key=callback.ctx).to(wire.get(name, full.dtype))
 
-    _streaming_iter.__dist_sr__ = True
-    AsyncGRPOTrainer._streaming_iter = _streaming_iter
+    patching.patch(AsyncGRPOTrainer, "_streaming_iter", _streaming_iter, by=__name__)
 
 
 def _manifest_dtypes(weight_transfer) -> dict[str, torch.dtype]:

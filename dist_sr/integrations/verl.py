@@ -46,19 +46,19 @@ from pathlib import Path
 
 import torch
 
+from .. import patching
 from ..config import ConfigError
 from ..engines import fsdp2
 from ..engines.fsdp2.hook import SRShadowParam, master_dtensor
 from ..engines.fsdp2.source import FSDP2Source
 from ..numerics.key import check_mode, normalize_param_name
 from . import verl_sync
-from .startup import require_deepspeed_hooked
+from .plug_points import require_deepspeed_hooked
 
 log = logging.getLogger(__name__)
 MODE_ENV, SEED_ENV = "DIST_SR_MODE", "DIST_SR_SEED"
 VERL_DEFAULT_SEED = 42  # fsdp_config.seed when the user names none
 KEY_FILE = "dist_sr_key.json"  # beside verl's shards in global_step_N/actor/
-PATCHED = "__dist_sr__"
 
 
 class VerlUnsupported(ConfigError):
@@ -351,10 +351,10 @@ def enable() -> None:
     importing this module calls it: ``EngineRegistry.new`` refuses an actor the key cannot round,
     ``KEYED_METHODS`` replace ``FSDPEngine``'s own (kept in ``_VERL``), and ``verl_sync`` checks
     the engines after each weight sync. Refused in a process that imported DeepSpeed without
-    dist-sr's start-up hook (``startup``)."""
+    dist-sr's start-up hook (``plug_points``)."""
     require_deepspeed_hooked("actor_rollout_ref.model.external_lib=dist_sr.integrations.verl")
     registry, engine_cls, _ = _targets()
-    if getattr(engine_cls._build_fsdp_module, PATCHED, False):
+    if patching.patched(engine_cls._build_fsdp_module):
         return
     new = registry.new.__func__
 
@@ -362,11 +362,10 @@ def enable() -> None:
         check_actor(model_type, backend, kwargs.get("model_config"), kwargs.get("engine_config"))
         return new(cls, model_type, backend, *args, **kwargs)
 
-    registry.new = classmethod(checked_new)
+    patching.patch(registry, "new", classmethod(checked_new), by=__name__)
     for name, fn in KEYED_METHODS.items():
         _VERL[name] = getattr(engine_cls, name)
-        setattr(fn, PATCHED, True)
-        setattr(engine_cls, name, fn)
+        patching.patch(engine_cls, name, fn, by=__name__)
     verl_sync.enable(engine_cls)
 
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import patching
 from ..engines.fsdp2.source import FSDP2Source
 from ..numerics.digest import piece_sum
 from ..optim.metrics import ChangedShare
@@ -67,7 +68,6 @@ log = logging.getLogger("dist_sr.integrations.verl")
 # vLLM's API server imports sets it to ERROR) must not mute dist-sr's warnings
 if log.level == logging.NOTSET:
     log.setLevel(os.environ.get("VERL_LOGGING_LEVEL", "WARN"))
-PATCHED = "__dist_sr__"
 ASK_TIMEOUT_S = 300.0
 HELD_RPC = "dist_sr_held_weights"
 Entries = dict[str, tuple[str, tuple[int, ...], int]]
@@ -351,7 +351,6 @@ def _update_weights_checked(update):
         enforce(check, speak=dist.get_rank() == 0)
         return result
 
-    update_weights.__dist_sr__ = True
     return update_weights
 
 
@@ -430,7 +429,6 @@ def _adapter_update_checked(update):
         enforce(SyncCheck(ROLLOUT_SIDE, (await check_one_engine(self, received.entries),)))
         return result
 
-    update_weights.__dist_sr__ = True
     return update_weights
 
 
@@ -445,7 +443,6 @@ def _export_tapped(export):
         finally:
             _EXPORT_TAP.reset(token)
 
-    get_per_tensor_param.__dist_sr__ = True
     return get_per_tensor_param
 
 
@@ -457,7 +454,6 @@ def _unfuse_tapped(unfuse):
         tap = _EXPORT_TAP.get()
         return unfuse(tap.exported.watch(weights) if tap is not None else weights, *args, **kwargs)
 
-    unfuse_moe_params.__dist_sr__ = True
     return unfuse_moe_params
 
 
@@ -473,7 +469,6 @@ def _train_batch_measured(train):
                 output["metrics"].update(metrics)
         return output
 
-    train_batch.__dist_sr__ = True
     return train_batch
 
 
@@ -543,14 +538,15 @@ def enable(engine_cls) -> None:
     ]
     if missing:
         raise ImportError(f"dist_sr.integrations.verl: this verl lacks {', '.join(missing)} (written for verl 0.9)")
-    if getattr(engine_cls.train_batch, PATCHED, False):
+    if patching.patched(engine_cls.train_batch):
         return
-    engine_cls.train_batch = _train_batch_measured(engine_cls.train_batch)
-    engine_cls.get_per_tensor_param = _export_tapped(engine_cls.get_per_tensor_param)
-    transformer_impl.unfuse_moe_params = _unfuse_tapped(transformer_impl.unfuse_moe_params)
+    patch = functools.partial(patching.patch, by=__name__)
+    patch(engine_cls, "train_batch", _train_batch_measured(engine_cls.train_batch))
+    patch(engine_cls, "get_per_tensor_param", _export_tapped(engine_cls.get_per_tensor_param), tag="tap")
+    patch(transformer_impl, "unfuse_moe_params", _unfuse_tapped(transformer_impl.unfuse_moe_params))
     worker = engine_workers.ActorRolloutRefWorker
-    worker.update_weights = _update_weights_checked(worker.update_weights)
+    patch(worker, "update_weights", _update_weights_checked(worker.update_weights))
     if importlib.util.find_spec("vllm") is not None:  # no vLLM here: no vLLM engine to check from here
         from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-        ServerAdapter.update_weights = _adapter_update_checked(ServerAdapter.update_weights)
+        patch(ServerAdapter, "update_weights", _adapter_update_checked(ServerAdapter.update_weights))

@@ -21,9 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import dist_sr_deepspeed_hook
-
 from ..config import parse_overrides
+from ..integrations import startup
 from ..numerics.key import normalize_param_name, stream_key
 from ..rl.compare import load_compare, run_comparison, write_report
 from ..weightsync.disk.materialize import materialize
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["deepspeed-hook"]:
-        return dist_sr_deepspeed_hook.main(argv[1:])
+        return startup.main(argv[1:])
     if argv[:1] == ["k8s"]:
         return k8s.main(argv[1:])
     if argv[:1] == ["doctor"]:

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import dist_sr_deepspeed_hook as hook
+from .. import startup_check as hook
 
 
 @dataclass(frozen=True)

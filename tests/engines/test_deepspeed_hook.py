@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-import dist_sr_deepspeed_hook as hook
+from dist_sr import startup_check
+from dist_sr.integrations import startup as hook
 from tests.dist_utils import REPO, free_port, launcher_env
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -118,7 +119,10 @@ def test_the_pth_line_patches_deepspeed_at_import_and_tolerates_a_missing_packag
     # dist-sr uninstalled but the .pth left behind: start-up must still work, silently
     r = _python(probe.format(d=str(tmp_path), pre="sys.modules['dist_sr_deepspeed_hook'] = None; "))
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "plain" and "Error processing" not in r.stderr
-    assert hook.uninstall(str(tmp_path)) == str(tmp_path / hook.PTH_NAME) and hook.uninstall(str(tmp_path)) is None
+    assert (
+        hook.uninstall(str(tmp_path)) == str(tmp_path / startup_check.PTH_NAME)
+        and hook.uninstall(str(tmp_path)) is None
+    )
 
 
 USER_SCRIPT = """
@@ -155,7 +159,7 @@ if engine.global_rank == 0:
 def installed_hook():
     """The hook installed in this environment's site-packages, as `dist-sr deepspeed-hook install`
     (run by scripts/setup.sh) leaves it; removed again if this test put it there."""
-    there = os.path.exists(hook.pth_path())
+    there = os.path.exists(startup_check.pth_path())
     if not there:
         hook.install()
     yield
@@ -363,6 +367,6 @@ def test_the_deepspeed_launcher_exports_the_switch_to_every_node_and_no_secret()
     hook adds the switch (tests/launch/test_multinode_deepspeed.py launches with it)."""
     from deepspeed.launcher import runner
 
-    assert hook.active(), "this environment's hook (scripts/setup.sh) must be in force"
+    assert startup_check.active(), "this environment's hook (scripts/setup.sh) must be in force"
     assert {"DIST_SR_SEED", "DIST_SR_MODE", "DIST_SR_DEEPSPEED_HOOK"} <= set(runner.EXPORT_ENVS)
     assert not any("DIST_SR_SYNC_SECRET".startswith(prefix) for prefix in runner.EXPORT_ENVS)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-import dist_sr_deepspeed_hook as hook
+from dist_sr import startup_check
 from tests.dist_utils import free_port, launcher_env
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ class Nodes:
             cmd = [SSHD, "-D", "-e", "-f", str(config)]
             if node in without_hook:  # this node's processes see no dist-sr start-up hook
                 cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                       'mount --bind /dev/null "$0" && exec "$@"', hook.pth_path(), *cmd]  # fmt: skip
+                       'mount --bind /dev/null "$0" && exec "$@"', startup_check.pth_path(), *cmd]  # fmt: skip
             self.procs[node] = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{node}.log", "a")
             )
@@ -161,7 +161,7 @@ def nodes(tmp_path):
     missing = [tool for tool in ("pdsh", SSHD, "ssh-keygen", "unshare") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
         pytest.skip(f"needs root with pdsh, sshd, ssh-keygen and unshare (missing: {missing}): .ci/run installs them")
-    assert os.path.exists(hook.pth_path()), "dist-sr's start-up hook must be installed (scripts/setup.sh)"
+    assert os.path.exists(startup_check.pth_path()), "dist-sr's start-up hook must be installed (scripts/setup.sh)"
     (tmp_path / "job.py").write_text(JOB)
     n = Nodes(tmp_path)
     yield n

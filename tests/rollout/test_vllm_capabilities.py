@@ -34,7 +34,8 @@ plugin.register()
 try:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     out["registered"] = plugin.BACKEND in WeightTransferEngineFactory._registry
-    out["superseding"] = getattr(plugin._worker_class().start_weight_update, "__dist_sr_supersede__", False)
+    from dist_sr import patching
+    out["superseding"] = any(p.name == "start_weight_update" and p.tag == "supersede" for p in patching.patches())
 except ImportError:  # the hidden modules
     out["registered"] = out["superseding"] = None
 try:

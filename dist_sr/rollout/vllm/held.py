@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import patching
 from ...numerics.digest import cast_piece_sum, dtype_name
 from .readback import Readback
 
@@ -92,15 +93,13 @@ def _recording(load_weights):
         finally:
             record.building = outer
 
-    load_weights_recorded.__dist_sr__ = True
-    load_weights_recorded.__wrapped__ = load_weights
     return load_weights_recorded
 
 
 def _wrap_loader_class(cls) -> None:
     own = cls.__dict__.get("load_weights")
-    if own is not None and not getattr(own, "__dist_sr__", False) and not getattr(own, "__isabstractmethod__", False):
-        cls.load_weights = _recording(own)
+    if own is not None and not patching.patched(own) and not getattr(own, "__isabstractmethod__", False):
+        patching.patch(cls, "load_weights", _recording(own), by=__name__)
 
 
 def install_load_recorder() -> None:
@@ -109,7 +108,7 @@ def install_load_recorder() -> None:
     import vllm.model_executor.model_loader  # noqa: F401  (imports every built-in loader)
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    if getattr(BaseModelLoader, "__dist_sr_recorder__", False):
+    if patching.patched(BaseModelLoader.__dict__.get("__init_subclass__")):
         return
     todo = [BaseModelLoader]
     while todo:
@@ -121,8 +120,7 @@ def install_load_recorder() -> None:
         super(BaseModelLoader, cls).__init_subclass__(**kwargs)
         _wrap_loader_class(cls)
 
-    BaseModelLoader.__init_subclass__ = classmethod(__init_subclass__)
-    BaseModelLoader.__dist_sr_recorder__ = True
+    patching.patch(BaseModelLoader, "__init_subclass__", classmethod(__init_subclass__), by=__name__)
 
 
 _not_recorded: list[str] = []  # why this process records no loads (the plugin's capability check)

@@ -32,6 +32,7 @@ import inspect
 import logging
 from dataclasses import dataclass
 
+from ... import patching
 from ...weightsync.engine.receiver import InitInfo, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -231,10 +232,7 @@ def _give_workers_the_rpcs() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
     for name, fn in RPCS.items():
-        if getattr(WorkerBase.__dict__.get(name), "__dist_sr__", False):
-            continue
-        fn.__dist_sr__ = True
-        setattr(WorkerBase, name, fn)
+        patching.patch(WorkerBase, name, fn, by=__name__)
 
 
 def _bracket_worker_updates() -> None:
@@ -242,8 +240,6 @@ def _bracket_worker_updates() -> None:
     starts and finishes, so its report says which weights are partial, and close the reload a
     failed update left open before the next starts (``close_interrupted_reload``; idempotent)."""
     worker = _worker_class()
-    if getattr(worker.start_weight_update, "__dist_sr__", False):
-        return
     start, finish = worker.start_weight_update, worker.finish_weight_update
 
     def start_weight_update(self, *args, **kwargs):
@@ -269,9 +265,8 @@ def _bracket_worker_updates() -> None:
             engine.update_finished()
         return result
 
-    start_weight_update.__dist_sr__ = finish_weight_update.__dist_sr__ = True
-    start_weight_update.__wrapped__, finish_weight_update.__wrapped__ = start, finish  # what capabilities() reads
-    worker.start_weight_update, worker.finish_weight_update = start_weight_update, finish_weight_update
+    patching.patch(worker, "start_weight_update", start_weight_update, by=__name__, tag="bracket")
+    patching.patch(worker, "finish_weight_update", finish_weight_update, by=__name__, tag="bracket")
 
 
 def _let_a_start_supersede_an_unfinished_update() -> None:
@@ -284,8 +279,6 @@ def _let_a_start_supersede_an_unfinished_update() -> None:
     backend, whose control routes only the trainer can reach, is let through."""
     worker = _worker_class()
     start = worker.start_weight_update
-    if getattr(start, "__dist_sr_supersede__", False):
-        return
 
     def start_weight_update(self, *args, **kwargs):
         engine = getattr(self, "weight_transfer_engine", None)
@@ -294,9 +287,7 @@ def _let_a_start_supersede_an_unfinished_update() -> None:
             self._weight_update_active = False
         return start(self, *args, **kwargs)
 
-    start_weight_update.__dist_sr__ = start_weight_update.__dist_sr_supersede__ = True
-    start_weight_update.__wrapped__ = start  # what capabilities() reads
-    worker.start_weight_update = start_weight_update
+    patching.patch(worker, "start_weight_update", start_weight_update, by=__name__, tag="supersede")
 
 
 def _update_info_base():
@@ -481,7 +472,7 @@ def _ask_every_data_parallel_engine() -> None:
     except Exception:  # noqa: BLE001  (no such client: the answers carry no count, the check says so)
         return
     rpc = AsyncMPClient.__dict__.get("collective_rpc_async")
-    if rpc is None or getattr(rpc, "__dist_sr__", False):
+    if rpc is None:
         return
 
     async def collective_rpc_async(self, method, timeout=None, args=(), kwargs=None):
@@ -499,9 +490,7 @@ def _ask_every_data_parallel_engine() -> None:
                 a["server"] = {"engines": engines}
         return answers
 
-    collective_rpc_async.__dist_sr__ = True
-    collective_rpc_async.__wrapped__ = rpc
-    AsyncMPClient.collective_rpc_async = collective_rpc_async
+    patching.patch(AsyncMPClient, "collective_rpc_async", collective_rpc_async, by=__name__)
 
 
 RPCS = {"dist_sr_weight_report": dist_sr_weight_report, "dist_sr_held_weights": dist_sr_held_weights}
