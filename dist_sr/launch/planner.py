@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from ..config import ConfigError, Refusal, parse_overrides
-from ..engines import engine_class, engine_names, init_distributed
+from ..config import ConfigError, Refusal, load_document, parse_overrides
+from ..engines import engine_class, engine_names
+from ..engines.config import DistributedConfig
 from ..engines.deepspeed.config import hyperparameter_conflicts, precision_of_config, shared_hyperparameters
 from ..net import free_port
-from ..rl.config import ExperimentConfig, load_experiment
-from ..rl.trainer import train
+from ..rl.config import ExperimentConfig, GRPOConfig, load_experiment
+from ..rl.trainer import check_world, train
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -137,34 +137,32 @@ def config_source(args: argparse.Namespace) -> str | dict:
 
 
 def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = None) -> Plan:
-    """Resolve config + command line + launcher environment into what this process will run."""
+    """Resolve config + command line + launcher environment into what this process will run. The
+    experiment is read once (with the overrides), the DeepSpeed JSON parsed once and what it says
+    merged in where the experiment is silent, then validated once (``load_experiment``); the
+    world's checks are the trainer's (``check_world``), asked here before anything starts."""
     env = dict(os.environ if env is None else env)
     if cuda is None:
         cuda = torch.cuda.is_available()
-    source = config_source(args)
     overrides = parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
-    if args.deepspeed_config:
-        ds_path = Path(args.deepspeed_config)
-        if not ds_path.is_file():
-            raise ConfigError(f"--deepspeed_config {ds_path}: no such file")
-        try:
-            json.loads(ds_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--deepspeed_config {ds_path}: not valid JSON ({exc})") from None
-        overrides["distributed.deepspeed_config"] = str(ds_path)
-    cfg = load_experiment(source, overrides)
-
-    engine = args.engine or cfg.distributed.engine
-    if args.deepspeed_config:
-        engine = _deepspeed_json_engine(args.engine, cfg.distributed.engine)
-    if engine != cfg.distributed.engine:
-        overrides["distributed.engine"] = engine
-        cfg = load_experiment(source, overrides)
-    if engine_class(engine).reads_deepspeed_json and cfg.distributed.deepspeed_config:
-        cfg = _agree_on_precision(args, cfg, overrides)
-        cfg = _agree_on_hyperparameters(args, cfg, overrides)
+    document = load_document(config_source(args), overrides)
+    ds = _deepspeed_json(args.deepspeed_config)
+    configured = _section(document, "distributed").get("engine", DistributedConfig.engine)
+    engine = args.engine or configured
+    if ds is not None:
+        engine = _deepspeed_json_engine(args.engine, configured)
+        _section(document, "distributed")["deepspeed_config"] = args.deepspeed_config
+    _section(document, "distributed")["engine"] = engine
+    path = _section(document, "distributed").get("deepspeed_config")
+    reads_json = engine_class(engine).reads_deepspeed_json and path
+    if reads_json:
+        ds = ds if ds is not None else _deepspeed_json(path)
+        _adopt_from_deepspeed_json(document, ds, path)
+    cfg = load_experiment(document)
+    if reads_json:
+        _check_agreement(cfg, ds, path)
 
     world = _int_env(env, "WORLD_SIZE")
     launched = world is not None
@@ -173,21 +171,37 @@ def plan(args: argparse.Namespace, env: dict | None = None, cuda: bool | None = 
     local_rank = _int_env(env, "LOCAL_RANK")
     if local_rank is None:
         local_rank = args.local_rank if args.local_rank is not None else 0
-    engine_class(engine).check_world(cfg.distributed, world)
-    g = cfg.grpo
-    if g.prompts_per_step % world:
-        raise ConfigError(
-            f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "
-            f"use a multiple of {world} (each rank samples prompts_per_step / world prompts)"
-        )
-    if cfg.eval.num_prompts < world:
-        raise ConfigError(f"eval.num_prompts={cfg.eval.num_prompts} is smaller than world size {world}")
+    check_world(cfg, world)
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
         raise ConfigError("--backend nccl needs CUDA, and this process sees no GPU; use --backend gloo (or auto)")
     return Plan(cfg, engine, backend, world, rank, local_rank, launched)
+
+
+def _section(document: dict, name: str) -> dict:
+    node = document.setdefault(name, {})
+    if not isinstance(node, dict):
+        raise ConfigError(f"config section {name}: expected a mapping, got {type(node).__name__}")
+    return node
+
+
+def _deepspeed_json(path: str | None) -> dict | None:
+    """The DeepSpeed JSON at ``path``, parsed (None without one); refused by name when it is
+    missing or not JSON."""
+    if not path:
+        return None
+    ds_path = Path(path)
+    if not ds_path.is_file():
+        raise ConfigError(f"--deepspeed_config {ds_path}: no such file")
+    try:
+        ds = json.loads(ds_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--deepspeed_config {ds_path}: not valid JSON ({exc})") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"--deepspeed_config {ds_path}: expected a JSON object, got {type(ds).__name__}")
+    return ds
 
 
 def _deepspeed_json_engine(asked: str | None, configured: str) -> str:
@@ -207,62 +221,42 @@ def _deepspeed_json_engine(asked: str | None, configured: str) -> str:
     return readers[0]
 
 
-def _agree_on_precision(args, cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
-    """The DeepSpeed JSON and the experiment must not disagree about precision: a YAML without a
-    ``precision`` section adopts the JSON's (so an existing DeepSpeed config turns SR on by itself);
-    one with a section must match it."""
-    path = cfg.distributed.deepspeed_config
+def _adopt_from_deepspeed_json(document: dict, ds: dict, path: str) -> None:
+    """What the experiment does not say, the DeepSpeed JSON does: its precision (so an existing
+    DeepSpeed config turns SR on by itself) where the experiment has no ``precision`` section, and
+    its lr, betas, eps, weight decay and clipping where the experiment sets none of them."""
     try:
-        ds = precision_of_config(path)
+        if "precision" not in document:
+            document["precision"] = precision_of_config(ds)
+        optimizer = _section(document, "grpo").get("optimizer", GRPOConfig.optimizer)
+        theirs = shared_hyperparameters(ds, optimizer)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    raw = yaml.safe_load(Path(args.config).read_text()) or {} if args.config else {}
-    explicit = "precision" in raw or any(k == "precision" or k.startswith("precision.") for k in overrides)
-    if not explicit:
-        overrides["precision"] = ds  # kept for later reloads (_agree_on_hyperparameters)
-        return load_experiment(args.config or {}, overrides)
+    grpo = _section(document, "grpo")
+    for field, value in theirs.items():
+        grpo.setdefault(field, list(value) if field == "betas" else value)
+
+
+def _check_agreement(cfg: ExperimentConfig, ds: dict, path: str) -> None:
+    """The experiment and the DeepSpeed JSON must not disagree (the trainer would otherwise use one
+    and silently drop the other): the precision, and each hyperparameter both state."""
+    theirs = precision_of_config(ds)
     mine = cfg.precision
-    if mine.precision != ds["precision"] or ("seed" in ds and ds["seed"] != mine.seed):
-        theirs = ds["precision"] + (f" (seed {ds['seed']})" if "seed" in ds else "")
+    if mine.precision != theirs["precision"] or ("seed" in theirs and theirs["seed"] != mine.seed):
+        said = theirs["precision"] + (f" (seed {theirs['seed']})" if "seed" in theirs else "")
         raise ConfigError(
             f"precision {mine.precision} (seed {mine.seed}) in the experiment config contradicts "
-            f"{path}, which says {theirs}; make them agree, or drop the experiment's precision "
+            f"{path}, which says {said}; make them agree, or drop the experiment's precision "
             "section to take the DeepSpeed config's"
         )
-    return cfg
-
-
-def _agree_on_hyperparameters(args, cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
-    """One source of truth for lr, betas, eps, weight decay and gradient clipping: values the
-    DeepSpeed JSON states are adopted where the experiment does not set them, and a value both
-    set differently is an error (the trainer would otherwise use one and silently drop the other)."""
-    path = cfg.distributed.deepspeed_config
-    ds = json.loads(Path(path).read_text())
-    try:
-        theirs = shared_hyperparameters(ds, cfg.grpo.optimizer)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    raw = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
-    grpo = raw.get("grpo") or {}
-    explicit = {f for f in theirs if f in grpo or f"grpo.{f}" in overrides}
-    adopt = {f"grpo.{f}": list(v) if f == "betas" else v for f, v in theirs.items() if f not in explicit}
-    if adopt:
-        cfg = load_experiment(args.config or {}, {**overrides, **adopt})
     g = cfg.grpo
-    values = {
-        "lr": g.lr,
-        "betas": g.betas,
-        "eps": g.eps,
-        "weight_decay": g.weight_decay,
-        "max_grad_norm": g.max_grad_norm,
-    }
+    values = dict(lr=g.lr, betas=g.betas, eps=g.eps, weight_decay=g.weight_decay, max_grad_norm=g.max_grad_norm)
     conflicts = hyperparameter_conflicts(ds, values, g.optimizer)
     if conflicts:
         raise ConfigError(
             f"the experiment and {path} disagree: {'; '.join(conflicts)}; make them equal, or drop "
             "one of the two (an unset experiment value takes the JSON's)"
         )
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,8 +293,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
     try:
-        init_distributed(p.engine, p.backend)
-        path = train(p.config, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
+        path = train(
+            p.config, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite, backend=p.backend
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

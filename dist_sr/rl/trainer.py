@@ -103,6 +103,21 @@ def settings(cfg: ExperimentConfig, world: int) -> TrainSettings:
     )
 
 
+def check_world(cfg: ExperimentConfig, world: int) -> None:
+    """What ``world`` ranks need of ``cfg``, refused by name: the engine's own check
+    (``check_world``), the prompts each rank samples, the evaluation prompts each rank scores. The
+    planner asks it before anything starts, the trainer again on the world it joined."""
+    engine_class(cfg.distributed.engine).check_world(cfg.distributed, world)
+    g = cfg.grpo
+    if g.prompts_per_step % world:
+        raise ConfigError(
+            f"grpo.prompts_per_step={g.prompts_per_step} does not split over world size {world}; "
+            f"use a multiple of {world} (each rank samples prompts_per_step / world prompts)"
+        )
+    if cfg.eval.num_prompts < world:
+        raise ConfigError(f"eval.num_prompts={cfg.eval.num_prompts} is smaller than world size {world}")
+
+
 class GRPORun:
     """One GRPO run between its steps: the trainer, the rollout engine, the reference model, the
     evaluation slice, the metrics writer and the counters the health checks read. Built by
@@ -116,13 +131,14 @@ class GRPORun:
         resume: bool | str,
         overwrite: bool,
         make_engine: Callable[[Any, Any], RolloutEngine] | None,
+        backend: str | None = None,
     ):
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.out_dir = out_dir = Path(cfg.output_dir)
         preflight(cfg, out_dir)  # secrets, run directory, memory: before any compute
-        init_distributed(cfg.distributed.engine)
+        init_distributed(cfg.distributed.engine, backend)
         self.sharded = engine_class(cfg.distributed.engine).needs_process_group
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.sharded else (0, 1)
         rank, world = self.rank, self.world
@@ -137,11 +153,7 @@ class GRPORun:
         model.to(self.device)
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # FP32 copy of the start weights
         g = cfg.grpo
-        if g.prompts_per_step % world:
-            raise ConfigError(
-                f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the world size "
-                f"{world}: each rank samples an equal share"
-            )
+        check_world(cfg, world)
         self.trainer = make_training_engine(settings(cfg, world), model)
         if cfg.shadow_jitter:
             jitter_shadows_(self.trainer.precision.optimizer, step_seed(cfg.seed, 0, "jitter"))
@@ -352,6 +364,7 @@ def train(
     overwrite: bool = False,
     stop_at: int | None = None,
     make_engine: Callable[[Any, Any], RolloutEngine] | None = None,
+    backend: str | None = None,
 ) -> Path:
     """Run GRPO for ``cfg``; returns the metrics file.
 
@@ -362,7 +375,8 @@ def train(
     ``resume="auto"`` does that when a checkpoint exists and otherwise starts fresh, saying so.
     Without resume, an ``output_dir`` that already holds a run is refused unless ``overwrite``
     (which removes its metrics and checkpoints first). ``stop_at`` ends early (with a checkpoint);
-    ``make_engine(model, tokenizer)`` replaces the configured rollout engine.
+    ``make_engine(model, tokenizer)`` replaces the configured rollout engine. ``backend``: the
+    process group's (nccl | gloo; default nccl with CUDA) for an engine that joins one.
 
     A step whose loss is NaN or Inf (or, without loss scaling, whose gradient is) is skipped and
     counted (``nonfinite`` in the metrics); ``MAX_NONFINITE_STEPS`` in a row stop the run with
@@ -370,7 +384,7 @@ def train(
     """
     if resume not in (False, True, "auto"):
         raise ValueError(f"resume must be False, True or 'auto', got {resume!r}")
-    run = GRPORun(cfg, progress=progress, resume=resume, overwrite=overwrite, make_engine=make_engine)
+    run = GRPORun(cfg, progress=progress, resume=resume, overwrite=overwrite, make_engine=make_engine, backend=backend)
     try:
         return _train_loop(run, cfg, progress=progress, stop_at=stop_at)
     finally:
