@@ -147,7 +147,18 @@ def _diagnose(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if args.forecast:
         return _forecast(args)
-    d = diagnose.diagnose(
+    d = _measured(args)
+    js, png = diagnose.write(d, args.out)
+    print(diagnose.table(d))
+    print(f"\njson: {js}\nfigure: {png}")
+    print(d.last_line())
+
+
+def _measured(args: argparse.Namespace):
+    """The measured diagnosis (``rl.diagnose.diagnose``) the command line asks for."""
+    from ..rl import diagnose
+
+    return diagnose.diagnose(
         args.checkpoint,
         lr=args.lr,
         steps=args.steps,
@@ -157,34 +168,19 @@ def _diagnose(args: argparse.Namespace) -> None:
         cache_dir=args.cache_dir,
         progress=not args.no_progress,
     )
-    js, png = diagnose.write(d, args.out)
-    print(diagnose.table(d))
-    print(f"\njson: {js}\nfigure: {png}")
-    print(d.last_line())
 
 
 def _forecast(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ..rl import diagnose, forecast
+    from ..rl import forecast
     from ..rl.checkpoint import bf16_start
 
     source = Path(args.checkpoint)
     streamable = source.suffix == ".safetensors" or (source.is_dir() and any(source.glob("*.safetensors")))
     start = source if streamable else bf16_start(args.checkpoint, args.cache_dir)  # GGUF: its BF16 cast
     f = forecast.forecast(start, lr=args.lr, steps=args.steps, progress=not args.no_progress)
-    measured = None
-    if args.compare:
-        measured = diagnose.diagnose(
-            args.checkpoint,
-            lr=args.lr,
-            steps=args.steps,
-            batch=args.batch,
-            seed=args.seed,
-            samples=args.samples,
-            cache_dir=args.cache_dir,
-            progress=not args.no_progress,
-        )
+    measured = _measured(args) if args.compare else None
     js = forecast.write(f, args.out, measured)
     print(forecast.table(f, measured))
     print(f"\njson: {js}")
