@@ -4,7 +4,8 @@ hold (7B-70B) on a CPU in minutes: no model, no training state, no gradients.
 
 A run starts from the checkpoint's BF16 values (``checkpoint.bf16_start``), so each weight ``w``
 sits on the BF16 grid, and round-to-nearest moves it only once its FP32 shadow has drifted more
-than half the BF16 spacing there, ``h(w) = 2^(e - 8)`` for ``2^e <= |w| < 2^(e+1)``. In its first
+than half the BF16 spacing to its nearer neighbour, ``h(w) = 2^(e - 8)`` for ``2^e <= |w| <
+2^(e+1)`` (half that for ``|w| = 2^e``, whose neighbour toward zero is nearer). In its first
 steps AdamW moves every element with a gradient by about ``lr`` (exactly ``lr`` in the first
 step, where ``m / sqrt(v) = g / |g|``; at most ``lr`` times a factor near one after), so:
 
@@ -36,6 +37,7 @@ from ..config import ConfigError
 from .diagnose import GROUPS, Diagnosis, group_of, pct
 
 EXPONENTS = 256
+BINS = 2 * EXPONENTS  # (exponent, whether the mantissa is zero): a power of two has half the spacing below it
 CHUNK_BYTES = 256 << 20  # of a tensor read at a time
 SAMPLE_PER_TENSOR = 20_000  # elements of each tensor kept for the median |w|
 
@@ -102,9 +104,10 @@ def checkpoint_files(checkpoint: str | Path) -> list[Path]:
 
 
 def exponent_counts(block: torch.Tensor) -> torch.Tensor:
-    """Counts of the 256 BF16 exponents of ``block`` cast to BF16 (as a run starts from it)."""
+    """Counts of ``block``'s values cast to BF16 (as a run starts from it) by bin ``exponent +
+    256 * (mantissa == 0)``: a power of two moves down by half its spacing above."""
     bits = block.reshape(-1).to(torch.bfloat16).view(torch.int16).to(torch.int32)
-    return torch.bincount((bits >> 7) & 0xFF, minlength=EXPONENTS)
+    return torch.bincount(((bits >> 7) & 0xFF) + EXPONENTS * ((bits & 0x7F) == 0), minlength=BINS)
 
 
 def forecast(
@@ -122,7 +125,7 @@ def forecast(
         raise ConfigError(f"--lr must be a positive learning rate, got {lr}")
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
-    counts = {g: torch.zeros(EXPONENTS, dtype=torch.int64) for g in GROUPS}
+    counts = {g: torch.zeros(BINS, dtype=torch.int64) for g in GROUPS}
     samples: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
     tensors = 0
     files = checkpoint_files(checkpoint)
@@ -151,23 +154,25 @@ def forecast(
     if tensors == 0:
         raise ConfigError(f"--forecast: {checkpoint} holds no floating-point tensors")
     groups = {g: _group(counts[g], samples[g], lr, steps) for g in GROUPS if int(counts[g].sum())}
-    total = sum((counts[g] for g in GROUPS), torch.zeros(EXPONENTS, dtype=torch.int64))
+    total = sum((counts[g] for g in GROUPS), torch.zeros(BINS, dtype=torch.int64))
     overall = _group(total, [s for g in GROUPS for s in samples[g]], lr, steps)
     return Forecast(str(checkpoint), lr, steps, tensors, groups, overall, {g: counts[g].tolist() for g in groups})
 
 
 def _group(counts: torch.Tensor, samples: list[torch.Tensor], lr: float, steps: int) -> GroupForecast:
     n = int(counts.sum())
-    h = half_spacing(torch.arange(EXPONENTS))
-    share = lambda bound: float(counts[h < bound].sum()) / n  # noqa: E731
-    cum = torch.cumsum(counts, 0)
+    up = half_spacing(torch.arange(EXPONENTS))
+    nearest = torch.cat([up, torch.where(torch.arange(EXPONENTS) > 1, up / 2, up)])  # the nearer neighbour
+    share = lambda bound: float(counts[nearest < bound].sum()) / n  # noqa: E731
+    by_exponent = counts[:EXPONENTS] + counts[EXPONENTS:]
+    cum = torch.cumsum(by_exponent, 0)
     median_exponent = int(torch.searchsorted(cum, torch.tensor((n + 1) // 2)))
     return GroupForecast(
         params=n,
         median_abs_weight=float(torch.cat(samples).median()) if samples else 0.0,
         can_move_step1=share(lr),
         can_move_within=share(steps * lr),
-        steps_to_move_median=float(h[median_exponent]) / lr,
+        steps_to_move_median=float(up[median_exponent]) / lr,
     )
 
 

@@ -18,6 +18,7 @@ def _exact(tensors: dict[str, torch.Tensor], lr: float, steps: int) -> tuple[flo
     w = torch.cat([t.reshape(-1).to(torch.bfloat16).double() for t in tensors.values()])
     e = torch.floor(torch.log2(w.abs().clamp(min=2.0**-126)))
     h = torch.exp2(e - 8)
+    h = torch.where((w.abs() == torch.exp2(e)) & (e > -126), h / 2, h)  # a power of two: nearer below
     return float((h < lr).double().mean()), float((h < steps * lr).double().mean())
 
 
@@ -28,16 +29,19 @@ def test_a_streamed_forecast_equals_the_definition_whatever_the_block(tmp_path):
         "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64, generator=g) * 0.5,
         "model.layers.0.input_layernorm.weight": 1 + 0.01 * torch.randn(64, generator=g),
         "model.norm.weight": torch.zeros(64),  # zeros always move: their spacing is the smallest
+        "model.layers.0.post_attention_layernorm.weight": torch.ones(64),  # powers of two: half below
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    step1, within = _exact(tensors, 1e-4, 4)
-    for chunk in (256, 4096, 1 << 30):  # a row, a few rows, whole tensors
-        f = forecast.forecast(tmp_path, lr=1e-4, steps=4, chunk_bytes=chunk, progress=False)
-        assert math.isclose(f.overall.can_move_step1, step1, abs_tol=1e-12)
-        assert math.isclose(f.overall.can_move_within, within, abs_tol=1e-12)
-        assert f.overall.params == sum(t.numel() for t in tensors.values()) and f.tensors == 4
+    for lr in (1e-4, 7e-4):  # 7e-4: the ones move down within 4 steps (2^-9 < 4 lr), not up (2^-8 > 4 lr)
+        step1, within = _exact(tensors, lr, 4)
+        for chunk in (256, 4096, 1 << 30):  # a row, a few rows, whole tensors
+            f = forecast.forecast(tmp_path, lr=lr, steps=4, chunk_bytes=chunk, progress=False)
+            assert math.isclose(f.overall.can_move_step1, step1, abs_tol=1e-12)
+            assert math.isclose(f.overall.can_move_within, within, abs_tol=1e-12)
+        assert f.overall.params == sum(t.numel() for t in tensors.values()) and f.tensors == 5
         assert set(f.groups) == {"embeddings", "mlp", "norms"}
-    assert f.groups["norms"].can_move_within > f.groups["mlp"].can_move_within  # zeros and ~1 vs ~0.5: mixed
+    f = forecast.forecast(tmp_path, lr=1e-4, steps=4, progress=False)
+    assert f.groups["norms"].can_move_within > f.groups["mlp"].can_move_within  # zeros, ~1, 1 vs ~0.5: mixed
 
 
 def test_the_forecast_bounds_what_the_measured_diagnosis_finds(tmp_path, capsys):
