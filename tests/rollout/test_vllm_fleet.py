@@ -33,15 +33,6 @@ def fleet(tmp_path_factory):
     engines = {
         "a": EngineProcess(model_dir, tp=1, log_dir=root, name="a"),
         "b": EngineProcess(model_dir, tp=2, log_dir=root, name="b"),
-        # two data-parallel engines behind one server, either of which drops a tensor on cue
-        "c": EngineProcess(
-            model_dir,
-            dp=2,
-            log_dir=root,
-            name="c",
-            extension="tests.rollout.drop_on_cue.DropOnCueExtension",
-            env={"PYTHONPATH": str(REPO), "DIST_SR_TEST_DROP_CUE": str(root / "drop-cue")},
-        ),
     }
     try:
         for e in engines.values():
@@ -50,6 +41,26 @@ def fleet(tmp_path_factory):
     finally:
         for e in engines.values():
             e.stop()
+
+
+@pytest.fixture(scope="module")
+def data_parallel_engine(fleet):
+    """Two data-parallel engines behind one server, either of which drops a tensor on cue
+    (``tests.rollout.drop_on_cue``), started once the fleet's engines are up (its four processes
+    start after theirs: on two cores, all at once can take longer than a start is given)."""
+    root, model_dir, _ = fleet
+    engine = EngineProcess(
+        model_dir,
+        dp=2,
+        log_dir=root,
+        name="c",
+        extension="tests.rollout.drop_on_cue.DropOnCueExtension",
+        env={"PYTHONPATH": str(REPO), "DIST_SR_TEST_DROP_CUE": str(root / "drop-cue")},
+    )
+    try:
+        yield engine.wait_ready(timeout=900)
+    finally:
+        engine.stop()
 
 
 def _trainer_model(model_dir, seed):
@@ -357,7 +368,7 @@ def _whole_fleet_worker(rank, world, data):
 
 @pytest.mark.parametrize("engine_kind,transport", [("deepspeed", "broadcast"), ("fsdp2", "shard-direct")])
 def test_four_trainer_ranks_verify_every_worker_of_three_engines_and_name_one_that_drops_a_tensor(
-    fleet, engine_kind, transport, tmp_path
+    fleet, data_parallel_engine, engine_kind, transport, tmp_path
 ):
     """The whole fleet, counted: engines of 1 worker, 2 tensor-parallel workers and 2
     data-parallel engines behind one server (whose answers vLLM's own client would cut to the
@@ -366,7 +377,7 @@ def test_four_trainer_ranks_verify_every_worker_of_three_engines_and_name_one_th
     pass) is named with its engine, data-parallel rank and tensor, and only that engine is held
     back."""
     root, model_dir, engines = fleet
-    urls = [engines["a"].url, engines["b"].url, engines["c"].url]
+    urls = [engines["a"].url, engines["b"].url, data_parallel_engine.url]
     out, drop = tmp_path / "result.json", "model.embed_tokens.weight"
     run_workers(
         _whole_fleet_worker,
@@ -387,7 +398,7 @@ def test_four_trainer_ranks_verify_every_worker_of_three_engines_and_name_one_th
     assert r["clean"]["workers"] == [1, 2, 2]
     assert sorted(r["faulty"]["ready"]) == sorted(urls[:2]), r["faulty"]
     (problem,) = r["faulty"]["problems"]
-    assert problem.startswith(engines["c"].url) and drop in problem, problem
+    assert problem.startswith(data_parallel_engine.url) and drop in problem, problem
     assert "data-parallel engine" in problem and "worker(s) [0]" in problem, problem
     # the engine keeps dropping it: leave the fleet as the next test expects it
     for taken in root.glob("drop-cue.taken-*"):
