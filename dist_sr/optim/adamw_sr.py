@@ -108,13 +108,21 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
     def _ensure_plan(self) -> AdamWPlan:
         """The fused plan over every parameter's local piece and its moments, built on the first
         step and again whenever a parameter or a moment tensor was replaced (a loaded state)."""
-        if self._plan is not None:  # the usual step: the same parameters, moments and storage (C-level passes)
-            states = self._states
-            same = all(map(is_, map(_EXP_AVG, states), self._plan_exp_avgs)) and all(
-                map(is_, map(_EXP_AVG_SQ, states), self._plan_exp_avg_sqs)
-            )
-            if same and (self._sharded or list(map(torch.Tensor.data_ptr, self._tensors)) == self._plan_addresses):
-                return self._plan
+        if self._plan is None or not self._plan_is_current():
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _plan_is_current(self) -> bool:
+        """The usual step: the same parameters, moments and storage (C-level passes)."""
+        states = self._states
+        same = all(map(is_, map(_EXP_AVG, states), self._plan_exp_avgs)) and all(
+            map(is_, map(_EXP_AVG_SQ, states), self._plan_exp_avg_sqs)
+        )
+        return same and (self._sharded or list(map(torch.Tensor.data_ptr, self._tensors)) == self._plan_addresses)
+
+    def _build_plan(self) -> AdamWPlan:
+        """The moments where missing, what the usual step checks the plan against, Adam's
+        per-parameter steps, and the plan over each parameter's local piece."""
         self._params = [(gi, p) for gi, group in enumerate(self.param_groups) for p in group["params"]]
         self._tensors = [p for _, p in self._params]
         for _, p in self._params:
@@ -129,29 +137,34 @@ class AdamWSR(FusedAdamWSteps, CountsSteps, torch.optim.Optimizer):
         self._plan_exp_avg_sqs = list(map(_EXP_AVG_SQ, self._states))
         self._plan_addresses = [] if self._sharded else [p.data_ptr() for _, p in self._params]
         if self._counter.capturable:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
-                    "(the first step builds the fused plan and the moments)"
-                )
-            if self._plan is not None:  # a tensor was replaced: the host steps did not follow the device's
-                for _, p in self._params:
-                    self.state[p]["step"] = self.step_count
-            steps = {self.state[p]["step"] for _, p in self._params}
-            if steps - {self.step_count}:
-                raise ValueError(
-                    f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
-                    f"{sorted(steps)} differ from the key's step {self.step_count}"
-                )
+            self._check_capturable_steps(rebuilt=self._plan is not None)
         self._adam_steps = np.asarray([int(st["step"]) for st in self._states], dtype=np.int64)
-        pieces = []
         names = {id(p): n for group in self.param_groups for n, p in zip(group["param_names"], group["params"])}
+        pieces = []
         for _, p in self._params:
             local, offset, rows = _local_shard(p)
             m, v = (_local_shard(self.state[p][k])[0] for k in ("exp_avg", "exp_avg_sq"))
             pieces.append(AdamWPiece(names[id(p)], local.detach(), m, v, None, offset, rows))
-        self._plan = AdamWPlan(pieces, backend=self.backend)
-        return self._plan
+        return AdamWPlan(pieces, backend=self.backend)
+
+    def _check_capturable_steps(self, rebuilt: bool) -> None:
+        """Capturable, every parameter steps with the key: no plan is built inside a CUDA graph's
+        capture, and Adam's steps equal the key's (a replaced tensor takes the key's step: the
+        host steps did not follow the device's)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "AdamWSR(capturable=True): run one step before capturing it in a CUDA graph "
+                "(the first step builds the fused plan and the moments)"
+            )
+        if rebuilt:
+            for _, p in self._params:
+                self.state[p]["step"] = self.step_count
+        steps = {self.state[p]["step"] for _, p in self._params}
+        if steps - {self.step_count}:
+            raise ValueError(
+                f"AdamWSR(capturable=True) steps every parameter together: Adam steps "
+                f"{sorted(steps)} differ from the key's step {self.step_count}"
+            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
