@@ -149,14 +149,18 @@ def broadcast(channel: Channel, buffer: torch.Tensor):
 
 class Packer:
     """Sender side: one contiguous byte buffer per bucket (a lone contiguous tensor is sent in
-    place; the staging buffer is reused across syncs, so its pages are touched once)."""
+    place). Two staging buffers, used in turn (``slot``), so the next bucket is packed while the
+    last is on the wire; each is reused across syncs, so its pages are touched once."""
+
+    SLOTS = 2
 
     def __init__(self):
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor | None] = [None] * self.SLOTS
 
-    def pack(self, chunks: list[torch.Tensor], nbytes: int, channel: Channel) -> torch.Tensor:
-        """The chunks as one byte buffer on the channel's device (an ``ipc`` channel's: its shared
-        staging buffer, which the broadcast then publishes without another copy)."""
+    def pack(self, chunks: list[torch.Tensor], nbytes: int, channel: Channel, slot: int = 0) -> torch.Tensor:
+        """The chunks as one byte buffer on the channel's device, in staging buffer ``slot`` (the
+        caller waits for that buffer's last broadcast first); an ``ipc`` channel's: its shared
+        staging buffer, which the broadcast then publishes without another copy."""
         size = sum(c.numel() * c.element_size() for c in chunks)
         if size != nbytes:
             raise RuntimeError(f"bucket buffer has {size} bytes, the plan says {nbytes}")
@@ -166,9 +170,11 @@ class Packer:
         elif len(chunks) == 1 and chunks[0].is_contiguous() and chunks[0].device == device:
             return chunks[0].reshape(-1).view(torch.uint8)
         else:
-            if self._staging is None or self._staging.numel() < nbytes or self._staging.device != device:
-                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            buf = self._staging[:nbytes]
+            staging = self._staging[slot]
+            if staging is None or staging.numel() < nbytes or staging.device != device:
+                self._staging[slot] = staging = None  # the old pages go before the new are taken
+                staging = self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = staging[:nbytes]
         at = 0
         for c in chunks:
             b = c.reshape(-1).contiguous().view(torch.uint8)

@@ -74,3 +74,17 @@ def test_a_bucket_is_staged_on_the_channels_device():
     )
     with pytest.raises(RuntimeError, match="the plan says 15"):
         Packer().pack(chunks, 15, Channel(None, cpu))
+
+
+def test_the_next_bucket_is_packed_beside_the_one_on_the_wire_not_over_it():
+    """The sender packs bucket i+1 while bucket i is still being broadcast: the two use different
+    staging buffers, so packing the next leaves the one on the wire as it was; the one after
+    reuses the first (the sender has waited for its broadcast by then)."""
+    cpu, packer = torch.device("cpu"), Packer()
+    first = packer.pack([torch.full((4,), 1.0), torch.full((4,), 2.0)], 32, Channel(None, cpu), slot=0)
+    wire = first.clone()
+    second = packer.pack([torch.full((4,), 3.0), torch.full((4,), 4.0)], 32, Channel(None, cpu), slot=1)
+    assert torch.equal(first, wire) and first.data_ptr() != second.data_ptr()
+    third = packer.pack([torch.full((8,), 5.0)] * 2, 64, Channel(None, cpu), slot=0)  # grows its slot
+    assert torch.equal(third.view(torch.float32), torch.full((16,), 5.0))
+    assert torch.equal(second.view(torch.float32), torch.tensor([3.0] * 4 + [4.0] * 4))

@@ -9,6 +9,7 @@ its update ``timeout_s`` later hangs (stopped, deadlocked) and is left out, not 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +66,8 @@ class Sender:
         deltas against ``base``; ``on_bucket(i, n)`` before each. A ``RuntimeError`` of the
         transport stops it (``Sent.error``)."""
         out = Sent()
+        overlap = group is not None and group.backend != "ipc"  # ipc publishes one shared staging buffer
+        in_flight = None  # the previous bucket's broadcast: on the wire while this one is packed
         try:
             for index, bucket in enumerate(plan.buckets):
                 if on_bucket is not None:
@@ -85,17 +88,26 @@ class Sender:
                             group, torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
                         )
                     else:
-                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank), group)
+                        buf = self.packer.pack(chunks, bucket.nbytes(self.rank), group, slot=index % Packer.SLOTS)
                         work, nbytes = broadcast(group, buf), buf.numel()
                     out.nbytes += nbytes
                     if self.delta:
                         out.pieces.extend((n, s, bits) for n, s, bits in pieces)
                 if verify:  # while the bucket is on the wire (the sums read the pieces, not the buffer)
                     out.sums.update(zip([n for n, _, _ in pieces], piece_sums([(bits, s) for _, s, bits in pieces])))
-                if work is not None:
+                if in_flight is not None:  # its staging buffer is the next bucket's
+                    in_flight.wait()
+                in_flight = work
+                if not overlap and work is not None:
                     work.wait()
+                    in_flight = None
+            if in_flight is not None:
+                in_flight.wait()
         except RuntimeError as exc:
             out.error = exc
+            if in_flight is not None:  # a retry may refill its buffer: the broadcast ends first
+                with contextlib.suppress(RuntimeError):
+                    in_flight.wait()
         return out
 
     def _pieces_out(self, pieces, base: int | None) -> tuple[list[torch.Tensor], bool]:
