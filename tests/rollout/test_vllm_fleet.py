@@ -77,7 +77,7 @@ def _trainer_model(model_dir, seed):
 
 def _sync(model, urls, **kw):
     kw.setdefault("bucket_mb", 0.25)
-    kw.setdefault("timeout_s", 30)
+    kw.setdefault("timeout_s", 120)  # for a hang; a loaded machine took > 30 s for a step
     return WeightSync(ReplicatedSource(model), controls(urls, kw["timeout_s"]), group_port=free_port(), **kw)
 
 
