@@ -59,7 +59,9 @@ def keyed_versions(model_dir, steps):
     for step in steps:
         masters = {n: m + 1e-3 * torch.randn(m.shape, generator=g) for n, m in masters.items()}
         ctx.step = step
-        out.append(({n: m.clone() for n, m in masters.items()}, {n: export_bf16(n, m) for n, m in masters.items()}))
+        out.append(
+            ({n: m.clone() for n, m in masters.items()}, {n: export_bf16(n, m, key=ctx) for n, m in masters.items()})
+        )
     return out
 
 
