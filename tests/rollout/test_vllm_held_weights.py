@@ -35,9 +35,8 @@ def test_held_weights_digest_matches_the_trainer_whatever_the_transport(tmp_path
     g = torch.Generator().manual_seed(0)
     masters = {n: fsdp2.plain(p) + 1e-4 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
     ctx.step = 1
-    checkpoint = {
-        n: export_bf16(n, m, key=ctx) for n, m in masters.items()
-    }  # a checkpoint of the keyed working weights
+    # a checkpoint of the keyed working weights
+    checkpoint = {n: export_bf16(n, m, key=ctx) for n, m in masters.items()}
     bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     bf16.load_state_dict(checkpoint, strict=False)
     bf16.save_pretrained(model_dir)
