@@ -3,6 +3,7 @@ must hold at every start checkpoint."""
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -420,3 +421,99 @@ def test_the_chain_sum_comparisons_cpu_form_is_the_gpu_one_reduced_as_it_says():
     assert steps["bf16-sr@1e-05"] == 15 and steps["bf16-sr@1e-06"] == steps["bf16@1e-06"] == 30
     assert b.grpo.steps == 200 and (a.grpo.prompts_per_step, b.grpo.prompts_per_step) == (8, 32)
     assert cpu.threads == 1 and cpu.parallel == 1 and cpu.on_policy_gap == gpu.on_policy_gap == 0.05
+
+
+def test_runs_one_at_a_time_go_cheapest_first_each_start_checkpoints_seeds_together_and_in_parallel_longest_first():
+    from dist_sr.rl.compare.runner import queue_order, run_cost
+
+    cfg = load_compare(
+        None,
+        {
+            "start_seeds": [0, 1],
+            "seeds": [0, 1],
+            "lrs": [1e-5, 1e-6],
+            "per_lr": [{"lr": 1e-6, "steps": 30}],
+            "experiment": {"grpo": {"steps": 15}},
+            "runs": [
+                {"name": "fp16", "precision": "fp16", "lrs": [1e-5]},
+                {"name": "fp32", "precision": "fp32", "lrs": [1e-5]},
+                {"name": "bf16", "precision": "bf16"},
+                {"name": "bf16-sr", "precision": "bf16-sr"},
+            ],
+        },
+    )
+    jobs = [
+        (cell, start, seed, run_config(cfg, cell, start, seed))
+        for cell in cells(cfg)
+        for start in cfg.start_seeds
+        for seed in run_seeds(cfg, cell)
+    ]
+    one = queue_order(jobs, parallel=1)
+    assert [run_cost(j[3]) for j in one] == sorted(run_cost(j[3]) for j in jobs)
+    assert [(j[0].label, j[1], j[2]) for j in one[:8]] == [
+        (label, start, seed) for start in (0, 1) for seed in (0, 1) for label in ("bf16@1e-05", "bf16-sr@1e-05")
+    ]  # bf16 against bf16-sr at every start checkpoint and seed before anything slower
+    assert {j[0].label for j in one[-4:]} == {"fp16@1e-05"}  # ~14x a BF16 step on a CPU: last
+    many = queue_order(jobs, parallel=2)
+    assert {j[0].label for j in many[:4]} == {"fp16@1e-05"}
+
+
+def _archived_comparison(tmp_path, warmup_cache, out: str, lr: float = 3e-3):
+    easy = {k: dict(v) for k, v in EASY.items()}
+    easy["grpo"].update(steps=2, lr=lr)
+    easy["eval"].update(every=1)
+    easy["warmup"].update(cache_dir=warmup_cache)
+    return load_compare(
+        None,
+        {
+            "output_dir": str(tmp_path / out),
+            "archive_dir": str(tmp_path / "archive"),
+            "experiment": easy,
+            "start_seeds": [0],
+            "seeds": [0],
+            "runs": RUNS[1:],
+            "report_steps": [1, 2],
+            "parallel": 1,
+        },
+    )
+
+
+def test_finished_runs_are_archived_and_a_new_session_restores_them_instead_of_training_again(tmp_path, warmup_cache):
+    cfg = _archived_comparison(tmp_path, warmup_cache, "session-1")
+    run_comparison(cfg, progress=False)
+    archive = tmp_path / "archive"
+    starts = json.loads((archive / "start-0.json").read_text())
+    assert starts["start_seed"] == 0 and starts["digest"].startswith("sha256:")
+    kept = {p.relative_to(archive).as_posix() for p in archive.rglob("*") if p.is_file()}
+    assert kept == {"start-0.json"} | {
+        f"{c.label}/start-0/seed-0/{name}" for c in cells(cfg) for name in ("metrics.jsonl", "config.yaml")
+    }  # metrics and settings only: no checkpoint in the archive
+
+    # the next session: a fresh output_dir and no warm-up cache, the archive carried over
+    fresh = _archived_comparison(tmp_path, str(tmp_path / "empty-cache"), "session-2")
+    report = run_comparison(fresh, progress=False).read_text()
+    assert not (tmp_path / "empty-cache").exists()  # nothing warmed up, nothing trained
+    for cell in cells(cfg):
+        a, b = (run_dir(c, cell, 0, 0) / "metrics.jsonl" for c in (cfg, fresh))
+        assert a.read_bytes() == b.read_bytes()
+    assert "holds at" in report or "does not hold" in report
+
+
+def test_an_archived_run_with_other_settings_or_from_other_start_weights_is_refused_by_name(tmp_path, warmup_cache):
+    cfg = _archived_comparison(tmp_path, warmup_cache, "session-1")
+    run_comparison(cfg, progress=False)
+    for out in ("session-1", "session-2"):  # finished in output_dir, or only in the archive
+        other_lr = _archived_comparison(tmp_path, warmup_cache, out, lr=1e-3)
+        with pytest.raises(ConfigError, match=r"grpo\.lr: 0\.003 -> 0\.001.*another output_dir"):
+            run_comparison(other_lr, progress=False)
+
+    # one run left to train, and the archive says its start checkpoint had other weights
+    archive = tmp_path / "archive"
+    gone = archive / cells(cfg)[0].label
+    shutil.rmtree(gone)
+    (archive / "start-0.json").write_text(json.dumps({"start_seed": 0, "digest": "sha256:" + "0" * 64}))
+    again = _archived_comparison(tmp_path, warmup_cache, "session-3")
+    refusal = r"start checkpoint 0 here has weights sha256:[0-9a-f]{64}, but the runs archived"
+    with pytest.raises(ConfigError, match=refusal):
+        run_comparison(again, progress=False)
+    assert not gone.exists()  # nothing trained from the other weights was archived

@@ -12,7 +12,7 @@ from ...config import load_document
 from ..config import ConfigError, ExperimentConfig, from_dict, load_experiment
 from ..cpu_math import check_isa
 from ..metrics import read_metrics
-from ..rundir import holds_a_run
+from ..rundir import check_resume_config, holds_a_run
 
 
 @dataclass
@@ -75,6 +75,10 @@ class CompareConfig:
     on_policy_gap: float = 0.05
     reference: str = "bf16-sr"  # the run others are compared with in the goal checks
     output_dir: str = "runs/compare"
+    # where finished runs are kept between machines or sessions (their metrics.jsonl and config.yaml,
+    # and each start checkpoint's digest; archive.py): a run archived there is restored, not trained
+    # again. null: none
+    archive_dir: str | None = None
     # pin the workers' CPU kernels to one instruction set (rl/cpu_math.py: avx2, avx512, or auto, AVX2
     # on x86-64); null (default): each library picks the CPU's widest, several times faster for BF16
     cpu_isa: str | None = None
@@ -243,9 +247,13 @@ def run_config(cfg: CompareConfig, cell: Cell, start: int, seed: int) -> Experim
 
 
 def finished(cfg: ExperimentConfig) -> bool:
-    """Whether the run of ``cfg`` trained to its last step and left its checkpoint."""
+    """Whether the run of ``cfg`` trained to its last step; a finished run recorded with settings
+    that change its math (config.yaml) is refused, not reused."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         return False
     lines = read_metrics(path)
-    return bool(lines) and lines[-1]["step"] == cfg.grpo.steps and holds_a_run(Path(cfg.output_dir))
+    done = bool(lines) and lines[-1]["step"] == cfg.grpo.steps and holds_a_run(Path(cfg.output_dir))
+    if done:
+        check_resume_config(Path(cfg.output_dir), cfg)
+    return done
