@@ -24,7 +24,7 @@ import sys
 from ..config import parse_overrides
 from ..integrations import startup
 from ..numerics.key import normalize_param_name, stream_key
-from ..rl.compare import load_compare, run_comparison, write_report
+from ..rl.compare import load_compare, report_comparison, run_comparison
 from ..weightsync.disk.materialize import materialize
 from . import doctor, k8s, planner
 
@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a top-level field, e.g. --set 'seeds=[0]' --set parallel=1",
     )
-    p_cmp.add_argument("--report-only", action="store_true", help="rewrite the report from finished runs")
+    p_cmp.add_argument(
+        "--report-only", action="store_true", help="rewrite the report from finished runs (and those archive_dir holds)"
+    )
     p_cmp.add_argument("--no-progress", action="store_true")
 
     p_diag = sub.add_parser("diagnose", help="weight sticking on your checkpoint: RTN vs SR, per parameter group")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     if args.command == "compare":
         cfg = load_compare(args.config, parse_overrides(args.set))
-        report = write_report(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
+        report = report_comparison(cfg) if args.report_only else run_comparison(cfg, progress=not args.no_progress)
         print(report.read_text())
         print(f"\nreport: {report}\nfigure: {report.parent / 'figure.png'}")
     elif args.command == "snapshot":

@@ -497,6 +497,10 @@ def test_finished_runs_are_archived_and_a_new_session_restores_them_instead_of_t
         a, b = (run_dir(c, cell, 0, 0) / "metrics.jsonl" for c in (cfg, fresh))
         assert a.read_bytes() == b.read_bytes()
     assert "holds at" in report or "does not hold" in report
+    from dist_sr.rl.compare import report_comparison
+
+    third = _archived_comparison(tmp_path, str(tmp_path / "empty-cache"), "session-3")
+    assert report_comparison(third).read_text() == report  # --report-only restores the archive too
 
 
 def test_an_archived_run_with_other_settings_or_from_other_start_weights_is_refused_by_name(tmp_path, warmup_cache):

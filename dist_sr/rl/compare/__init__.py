@@ -15,7 +15,7 @@ figures.
 
 from .config import Cell, CompareConfig, RunSpec, cells, label, load_compare, run_config, run_dir, run_seeds
 from .report import write_report
-from .runner import run_comparison
+from .runner import report_comparison, run_comparison
 from .summary import RunSummary, Spread, StartSummary, goal_checks, summarize
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "goal_checks",
     "label",
     "load_compare",
+    "report_comparison",
     "run_comparison",
     "run_config",
     "run_dir",

@@ -83,15 +83,26 @@ def worker_pool(cfg: CompareConfig) -> Iterator[cf.ProcessPoolExecutor]:
         yield pool
 
 
-def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
-    """Warm up every start checkpoint, train every run x start x seed (skipping finished ones),
-    then write the report; returns report.md."""
-    jobs = [
+def _jobs(cfg: CompareConfig) -> list:
+    return [
         (cell, start, seed, run_config(cfg, cell, start, seed))
         for cell in cells(cfg)
         for start in cfg.start_seeds
         for seed in run_seeds(cfg, cell)
     ]
+
+
+def report_comparison(cfg: CompareConfig) -> Path:
+    """The report of finished runs alone (``--report-only``): the archive's runs restored first,
+    nothing trained; returns report.md."""
+    archive.restore(cfg, [j[3] for j in _jobs(cfg)])
+    return write_report(cfg)
+
+
+def run_comparison(cfg: CompareConfig, progress: bool = True) -> Path:
+    """Warm up every start checkpoint, train every run x start x seed (skipping finished ones),
+    then write the report; returns report.md."""
+    jobs = _jobs(cfg)
     archive.restore(cfg, [j[3] for j in jobs])
     todo = queue_order([j for j in jobs if not finished(j[3])], cfg.parallel)
     if not todo:  # every run finished: the report only, no worker processes
