@@ -483,7 +483,7 @@ def test_finished_runs_are_archived_and_a_new_session_restores_them_instead_of_t
     run_comparison(cfg, progress=False)
     archive = tmp_path / "archive"
     starts = json.loads((archive / "start-0.json").read_text())
-    assert starts["start_seed"] == 0 and starts["digest"].startswith("sha256:")
+    assert starts["start_seed"] == 0 and starts["digest"].startswith("sha256:") and starts["machine"]
     kept = {p.relative_to(archive).as_posix() for p in archive.rglob("*") if p.is_file()}
     assert kept == {"start-0.json"} | {
         f"{c.label}/start-0/seed-0/{name}" for c in cells(cfg) for name in ("metrics.jsonl", "config.yaml")
@@ -517,7 +517,7 @@ def test_an_archived_run_with_other_settings_or_from_other_start_weights_is_refu
     shutil.rmtree(gone)
     (archive / "start-0.json").write_text(json.dumps({"start_seed": 0, "digest": "sha256:" + "0" * 64}))
     again = _archived_comparison(tmp_path, warmup_cache, "session-3")
-    refusal = r"start checkpoint 0 here has weights sha256:[0-9a-f]{64}, but the runs archived"
+    refusal = r"start checkpoint 0 here has weights sha256:[0-9a-f]{64}, but the runs archived.*this machine: "
     with pytest.raises(ConfigError, match=refusal):
         run_comparison(again, progress=False)
     assert not gone.exists()  # nothing trained from the other weights was archived

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, ExperimentConfig
+from ..cpu_math import machine
 from ..rundir import check_resume_config
 from .config import CompareConfig, finished
 
@@ -99,16 +100,20 @@ def record_start(cfg: CompareConfig, exp: ExperimentConfig, digest: str) -> None
     if cfg.archive_dir is None:
         return
     path = _start_record(cfg, exp.warmup.seed)
+    here = machine()
     if path.exists():
-        kept = json.loads(path.read_text())["digest"]
-        if kept != digest:
+        kept = json.loads(path.read_text())
+        if kept["digest"] != digest:
             raise ConfigError(
                 f"start checkpoint {exp.warmup.seed} here has weights {digest}, but the runs archived in "
-                f"{cfg.archive_dir} trained from {kept} ({path}): the warm-up gave other bits on this "
-                "machine (another CPU instruction set, torch version or thread count?); runs from two start "
-                "checkpoints cannot be reported as one. Run where the archive was made, or set archive_dir "
-                "to a new directory"
+                f"{cfg.archive_dir} trained from {kept['digest']} ({path}), made on {kept.get('machine', '?')}; "
+                f"this machine: {here}. The warm-up gave other bits (another CPU, instruction set or torch?), "
+                "and runs from two start checkpoints cannot be reported as one: run where the archive was "
+                "made, or set archive_dir to a new directory"
             )
-        return
+        if "machine" in kept:
+            return
+        # a record from before machines were named: this machine's warm-up gives its bits too
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"start_seed": exp.warmup.seed, "digest": digest}, indent=1) + "\n")
+    record = {"start_seed": exp.warmup.seed, "digest": digest, "machine": here}
+    path.write_text(json.dumps(record, indent=1) + "\n")
