@@ -16,7 +16,7 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .config import ConfigError
+from ..config import ConfigError
 
 # the variable each library reads, and its spelling of each instruction set
 ISAS: dict[str, dict[str, str]] = {
@@ -108,3 +108,82 @@ def machine() -> str:
         f"{model} (torch's widest kernels here: {torch.backends.cpu.get_cpu_capability()}); "
         f"torch {torch.__version__}, transformers {transformers.__version__}"
     )
+
+
+# How a run's BF16 and FP16 matrix products are computed on the CPU (``cpu_matmul``):
+#   native: torch's own kernels. On a CPU without BF16/FP16 matrix units (no AVX512_BF16 or AMX;
+#     AVX512_FP16 for FP16) they take a scalar fallback: a SmolLM2-135M forward and backward ran
+#     13x slower than with fp32-accumulate on a 2-core AVX2 EPYC (bench/cpu_matmul.py).
+#   fp32-accumulate: each product of BF16 (FP16) operands computed as an FP32 GEMM of the widened
+#     operands (exact: every BF16/FP16 value is an FP32 value), its result rounded once to the
+#     operands' dtype: what BF16/FP16 matrix units do (FP32 accumulation, one rounding of the
+#     output). Weights, activations and gradients stay in the working dtype between products.
+CPU_MATMULS = ("native", "fp32-accumulate")
+
+
+def check_cpu_matmul(name: str) -> None:
+    if name not in CPU_MATMULS:
+        raise ConfigError(
+            f"cpu_matmul must be one of {list(CPU_MATMULS)} (native: torch's kernels; fp32-accumulate: "
+            f"BF16/FP16 products as FP32 GEMMs rounded once, for CPUs without BF16/FP16 units), got {name!r}"
+        )
+
+
+def _products() -> frozenset:
+    import torch
+    import torch.nn.functional as F
+
+    return frozenset(
+        {
+            F.linear,
+            F.scaled_dot_product_attention,
+            torch.matmul,
+            torch.mm,
+            torch.bmm,
+            torch.addmm,
+            torch.baddbmm,
+            torch.Tensor.matmul,
+            torch.Tensor.__matmul__,
+            torch.Tensor.mm,
+            torch.Tensor.bmm,
+        }
+    )
+
+
+def _fp32_accumulate_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    low = (torch.bfloat16, torch.float16)
+    products = _products()
+
+    class Fp32Accumulate(TorchFunctionMode):
+        """BF16/FP16 products on the CPU as FP32 GEMMs of the widened operands, rounded once."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if func not in products or first is None or first.device.type != "cpu" or first.dtype not in low:
+                return func(*args, **kwargs)
+            dtype = first.dtype
+
+            def widen(a):
+                return a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a
+
+            out = func(*[widen(a) for a in args], **{k: widen(v) for k, v in kwargs.items()})
+            return out.to(dtype)
+
+    return Fp32Accumulate()
+
+
+@contextmanager
+def cpu_matmul(name: str) -> Iterator[None]:
+    """Within the block (this thread), BF16/FP16 products on the CPU are computed as ``name`` says
+    (``CPU_MATMULS``); autograd records the widening and the rounding, so a product's gradients are
+    FP32 GEMMs rounded once to the working dtype as well."""
+    check_cpu_matmul(name)
+    if name == "native":
+        yield
+        return
+    with _fp32_accumulate_mode():
+        yield

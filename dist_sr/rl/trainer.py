@@ -33,6 +33,7 @@ from ..optim.metrics import bf16_spacing
 from ..rollout import RolloutEngine, make_rollout_engine
 from . import rundir
 from .config import ExperimentConfig
+from .cpu_math import cpu_matmul
 from .evaluation import evaluate, fixed_examples
 from .grpo import group_advantages, grpo_loss, sequence_logits, token_logprobs
 from .metrics import MetricsWriter
@@ -384,11 +385,14 @@ def train(
     """
     if resume not in (False, True, "auto"):
         raise ValueError(f"resume must be False, True or 'auto', got {resume!r}")
-    run = GRPORun(cfg, progress=progress, resume=resume, overwrite=overwrite, make_engine=make_engine, backend=backend)
-    try:
-        return _train_loop(run, cfg, progress=progress, stop_at=stop_at)
-    finally:
-        run.close()
+    with cpu_matmul(cfg.cpu_matmul):
+        run = GRPORun(
+            cfg, progress=progress, resume=resume, overwrite=overwrite, make_engine=make_engine, backend=backend
+        )
+        try:
+            return _train_loop(run, cfg, progress=progress, stop_at=stop_at)
+        finally:
+            run.close()
 
 
 def _train_loop(run: GRPORun, cfg: ExperimentConfig, *, progress: bool, stop_at: int | None) -> Path:
