@@ -113,7 +113,8 @@ def machine() -> str:
 # How a run's BF16 and FP16 matrix products are computed on the CPU (``cpu_matmul``):
 #   native: torch's own kernels. On a CPU without BF16/FP16 matrix units (no AVX512_BF16 or AMX;
 #     AVX512_FP16 for FP16) they take a scalar fallback: a SmolLM2-135M forward and backward ran
-#     13x slower than with fp32-accumulate on a 2-core AVX2 EPYC (bench/cpu_matmul.py).
+#     7.5x (BF16) and 18x (FP16) slower than with fp32-accumulate on a 2-core AVX2 EPYC
+#     (bench/cpu_matmul.py).
 #   fp32-accumulate: each product of BF16 (FP16) operands computed as an FP32 GEMM of the widened
 #     operands (exact: every BF16/FP16 value is an FP32 value), its result rounded once to the
 #     operands' dtype: what BF16/FP16 matrix units do (FP32 accumulation, one rounding of the
