@@ -19,7 +19,7 @@ from ..cpu_math import machine
 from ..rundir import check_resume_config
 from .config import CompareConfig, finished
 
-KEPT = ("metrics.jsonl", "config.yaml")  # what a finished run needs to be reported (no checkpoints)
+KEPT = ("config.yaml", "metrics.jsonl")  # what a finished run needs to be reported (no checkpoints)
 
 
 def archived(cfg: CompareConfig, exp: ExperimentConfig) -> Path:
@@ -111,9 +111,7 @@ def record_start(cfg: CompareConfig, exp: ExperimentConfig, digest: str) -> None
                 "and runs from two start checkpoints cannot be reported as one: run where the archive was "
                 "made, or set archive_dir to a new directory"
             )
-        if "machine" in kept:
-            return
-        # a record from before machines were named: this machine's warm-up gives its bits too
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"start_seed": exp.warmup.seed, "digest": digest, "machine": here}
     path.write_text(json.dumps(record, indent=1) + "\n")
