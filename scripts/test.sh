@@ -8,4 +8,4 @@ bash scripts/setup.sh rl deepspeed smollm2 dev
 if [ -z "${DIST_SR_SKIP_VLLM:-}" ]; then
   bash scripts/setup_vllm.sh
 fi
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra --durations=40 "$@"

