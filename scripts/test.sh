@@ -8,4 +8,7 @@ bash scripts/setup.sh rl deepspeed smollm2 dev
 if [ -z "${DIST_SR_SKIP_VLLM:-}" ]; then
   bash scripts/setup_vllm.sh
 fi
-exec .venv/bin/python -m pytest -q -ra --durations=40 "$@"
+# two test files at a time (pytest-xdist; DIST_SR_TEST_WORKERS to change it): most tests run one
+# process, or wait on one starting, and the serial suite left ~40% of 2 cores idle; a file's tests
+# stay on one worker, so its module fixtures (a vLLM fleet, a DeepSpeed job) are built once
+exec .venv/bin/python -m pytest -q -ra --durations=40 -n "${DIST_SR_TEST_WORKERS:-2}" --dist loadfile "$@"

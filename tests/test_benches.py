@@ -79,7 +79,7 @@ def test_the_memory_bench_prints_a_row_per_engine_and_mode(tmp_path):
     out = tmp_path / "memory.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "memory.py"), "--rows", "fsdp2", "fsdp2-unkept", "zero2"]
-        + ["--hidden", "64", "--layers", "1", "--vocab", "256", "--seq", "16", "--json", str(out)],
+        + ["--hidden", "64", "--layers", "1", "--vocab", "256", "--seq", "16", "--repeat", "1", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

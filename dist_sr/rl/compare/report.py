@@ -448,13 +448,15 @@ def _plot_sweep(cfg: CompareConfig, summary: Summary, path: Path) -> None:
         ylabel="share of non-zero updates >= half a BF16 spacing",
         yscale="log" if axes[1].get_lines() else "linear",
     )
-    axes[1].legend(fontsize=8)
+    if axes[1].get_legend_handles_labels()[0]:  # no bf16 run with dead-zone metrics: no curve to name
+        axes[1].legend(fontsize=8)
     axes[2].set(
         title=f"eval accuracy: {cfg.reference} (solid) vs bf16 RTN (dashed)",
         xlabel="GRPO step",
         ylabel="accuracy (mean)",
     )
-    axes[2].legend(fontsize=7, ncol=2)
+    if axes[2].get_legend_handles_labels()[0]:
+        axes[2].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
