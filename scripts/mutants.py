@@ -131,7 +131,7 @@ def main() -> int:
         type=int,
         default=1,
         help="mutants checked at once, each in a copy of its own (most of their tests run one process: "
-        "on 2 cores, 2 jobs take ~0.6x the time of 1)",
+        "CI's fast tier on 2 cores took 559 s at 2 jobs, ~13 s a mutant at 1)",
     )
     args = ap.parse_args()
     if args.jobs < 1:
